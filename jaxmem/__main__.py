@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.cli import main
+
+sys.exit(main())

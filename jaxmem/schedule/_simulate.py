@@ -1,0 +1,221 @@
+"""Event-driven simulation of a schedule: makespan, bubble, and each rank's live activations over time."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jaxmem._errors import JaxmemError
+from jaxmem.schedule._action import Action, Kind
+from jaxmem.schedule._table import Schedule, dependencies
+from jaxmem.schedule._validate import lockstep_ticks, validate
+
+__all__ = ["Costs", "SimulationResult", "simulate"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Per-action costs for :func:`simulate`.
+
+    Costs are for a stage that holds a rank's share of the model (1/P of it). When a rank holds V
+    stages (interleaved, V-shape), each stage is 1/V of that share, so by default its actions cost
+    ``1/V`` of these figures and its activations weigh ``1/V`` -- schedules of different V compare
+    at equal model size, as the zero-bubble and interleaving papers compare them. ``stage_weights``
+    overrides that split (e.g. from measured per-stage times).
+
+    Attributes:
+        f: forward time.
+        b: full-backward time; defaults to ``i + w``.
+        i: input-gradient time (split backward).
+        w: weight-gradient time (split backward).
+        comm: latency of one hop that moves an activation or gradient to another rank.
+        activation_bytes: bytes one stage-microbatch activation holds (for a stage of weight 1); when
+            given, the memory timeline is also reported in bytes.
+        stage_weights: relative size of every stage (multiplies times and activation bytes).
+        extra: optional ``extra(action) -> seconds`` added to an action (recompute, transfers, ...).
+    """
+
+    f: float = 1.0
+    b: float | None = None
+    i: float = 1.0
+    w: float = 1.0
+    comm: float = 0.0
+    activation_bytes: float | None = None
+    stage_weights: tuple[float, ...] | None = None
+    extra: Callable[[Action], float] | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        for field in ("f", "i", "w", "comm"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise JaxmemError(f"Costs.{field} must be a number >= 0, got {value!r}")
+        if self.b is not None and (not isinstance(self.b, (int, float)) or self.b < 0):
+            raise JaxmemError(f"Costs.b must be a number >= 0 (or None for i + w), got {self.b!r}")
+        if self.stage_weights is not None:
+            object.__setattr__(self, "stage_weights", tuple(float(x) for x in self.stage_weights))
+
+    @property
+    def full_backward(self) -> float:
+        return self.i + self.w if self.b is None else self.b
+
+    def weight(self, stage: int, schedule: Schedule) -> float:
+        if self.stage_weights is not None:
+            if len(self.stage_weights) != schedule.num_stages:
+                raise JaxmemError(
+                    f"Costs.stage_weights has {len(self.stage_weights)} entries but the schedule has "
+                    f"{schedule.num_stages} stages"
+                )
+            return self.stage_weights[stage]
+        return schedule.num_ranks / schedule.num_stages
+
+    def duration(self, action: Action, schedule: Schedule) -> float:
+        base = {Kind.F: self.f, Kind.B: self.full_backward, Kind.I: self.i, Kind.W: self.w}[action.kind]
+        seconds = base * self.weight(action.stage, schedule)
+        if self.extra is not None:
+            seconds += self.extra(action)
+        return seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` returns.
+
+    Attributes:
+        schedule: the simulated schedule.
+        makespan: time from the first action's start to the last action's end.
+        bubble_fraction: idle share of the ranks' time, ``1 - busy / (ranks * makespan)``.
+        busy: per rank, the time spent in actions.
+        start, finish: per action, its start and end time.
+        timeline: per rank, the change points ``(time, live activations)`` of its stage-microbatch
+            activations (alive from the start of F to the end of B, or of W when split).
+        peak_inflight: per rank, the most activations it holds at once.
+        timeline_bytes / peak_activation_bytes: the same in bytes, when costs carry activation bytes.
+    """
+
+    schedule: Schedule
+    makespan: float
+    bubble_fraction: float
+    busy: tuple[float, ...]
+    start: dict[Action, float]
+    finish: dict[Action, float]
+    timeline: tuple[tuple[tuple[float, int], ...], ...]
+    peak_inflight: tuple[int, ...]
+    timeline_bytes: tuple[tuple[tuple[float, float], ...], ...] | None = None
+    peak_activation_bytes: tuple[float, ...] | None = None
+
+    def reuse_distance(self, stage: int, microbatch: int) -> float:
+        """How long the activation of (stage, microbatch) waits between the end of its F and the
+        start of the backward that consumes it (B, or I when split)."""
+        f = Action(stage, Kind.F, microbatch)
+        b = Action(stage, Kind.B, microbatch)
+        if b not in self.start:
+            b = Action(stage, Kind.I, microbatch)
+        return self.start[b] - self.finish[f]
+
+    def to_json(self) -> dict:
+        s = self.schedule
+        record = {
+            "schedule": s.name,
+            "ranks": s.num_ranks,
+            "stages": s.num_stages,
+            "microbatches": s.num_microbatches,
+            "makespan": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_inflight": list(self.peak_inflight),
+            "busy": list(self.busy),
+            "valid": True,
+        }
+        if self.peak_activation_bytes is not None:
+            record["peak_activation_bytes"] = list(self.peak_activation_bytes)
+        return record
+
+
+def _freeing_kind(schedule: Schedule, action: Action, present: set) -> Kind:
+    return Kind.W if Action(action.stage, Kind.W, action.microbatch) in present else Kind.B
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
+    """Run the schedule against per-action costs, each rank in its table order.
+
+    An action starts when its rank is free and its inputs are there (a hop to another rank adds
+    ``costs.comm``). The schedule is validated first.
+
+    >>> from jaxmem.schedule import generate
+    >>> r = simulate(generate("1f1b", 4, 8), Costs(f=1, b=2))
+    >>> r.makespan, round(r.bubble_fraction, 4), r.peak_inflight
+    (33.0, 0.2727, (4, 3, 2, 1))
+    """
+    costs = costs or Costs()
+    validate(schedule)
+    ticks = lockstep_ticks(schedule)
+    present = set(ticks)
+    rank_of = schedule.stage_to_rank
+    rank_free = [0.0] * schedule.num_ranks
+    busy = [0.0] * schedule.num_ranks
+    start: dict[Action, float] = {}
+    finish: dict[Action, float] = {}
+    # Lockstep order is a topological order that respects every rank's own order.
+    for action in sorted(present, key=lambda a: (ticks[a], rank_of[a.stage])):
+        rank = rank_of[action.stage]
+        ready = rank_free[rank]
+        for dep in dependencies(action, schedule, present):
+            hop = costs.comm if rank_of[dep.stage] != rank else 0.0
+            ready = max(ready, finish[dep] + hop)
+        duration = costs.duration(action, schedule)
+        start[action] = ready
+        finish[action] = ready + duration
+        rank_free[rank] = ready + duration
+        busy[rank] += duration
+    origin = min(start.values(), default=0.0)
+    makespan = max(finish.values(), default=0.0) - origin
+    total = schedule.num_ranks * makespan
+    bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
+
+    timelines, peaks, timelines_bytes, peaks_bytes = [], [], [], []
+    for rank in range(schedule.num_ranks):
+        events: list[tuple[float, int, float]] = []  # (time, +1/-1, bytes)
+        for action in schedule.actions(rank):
+            if action.kind is Kind.F:
+                size = 0.0
+                if costs.activation_bytes is not None:
+                    size = costs.activation_bytes * costs.weight(action.stage, schedule)
+                events.append((start[action], +1, size))
+                free = Action(action.stage, _freeing_kind(schedule, action, present), action.microbatch)
+                events.append((finish[free], -1, -size))
+        events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
+        live, live_bytes, peak, peak_bytes = 0, 0.0, 0, 0.0
+        points, points_bytes = [(0.0, 0)], [(0.0, 0.0)]
+        for time, delta, size in events:
+            live += delta
+            live_bytes += size
+            peak = max(peak, live)
+            peak_bytes = max(peak_bytes, live_bytes)
+            points.append((time - origin, live))
+            points_bytes.append((time - origin, live_bytes))
+        timelines.append(tuple(points))
+        peaks.append(peak)
+        timelines_bytes.append(tuple(points_bytes))
+        peaks_bytes.append(peak_bytes)
+    has_bytes = costs.activation_bytes is not None
+    return SimulationResult(
+        schedule=schedule,
+        makespan=makespan,
+        bubble_fraction=bubble,
+        busy=tuple(busy),
+        start=start,
+        finish=finish,
+        timeline=tuple(timelines),
+        peak_inflight=tuple(peaks),
+        timeline_bytes=tuple(timelines_bytes) if has_bytes else None,
+        peak_activation_bytes=tuple(peaks_bytes) if has_bytes else None,
+    )
+
+
+def peak_activation_units(result: SimulationResult, costs: Costs | None = None) -> tuple[float, ...]:
+    """Per rank, the peak of live activations weighed by stage size (1.0 = one full-stage activation)."""
+    costs = costs or Costs()
+    schedule = result.schedule
+    sized = dataclasses.replace(costs, activation_bytes=1.0)
+    if result.peak_activation_bytes is not None and costs.activation_bytes:
+        return tuple(b / costs.activation_bytes for b in result.peak_activation_bytes)
+    return simulate(schedule, sized).peak_activation_bytes  # type: ignore[return-value]
