@@ -16,9 +16,7 @@ def run(capsys, *argv):
 
 
 def test_simulate_json_keys(capsys):
-    code, out, _ = run(
-        capsys, "schedule", "simulate", "1f1b", "--stages", "4", "--microbatches", "8", "--json"
-    )
+    code, out, _ = run(capsys, "schedule", "simulate", "1f1b", "--stages", "4", "--microbatches", "8", "--json")
     assert code == 0
     record = json.loads(out)
     for key in (
@@ -43,9 +41,7 @@ def test_show_list_and_table(capsys):
 
 def test_export_check_draw_simulate_csv(capsys, tmp_path):
     csv_path = tmp_path / "il.csv"
-    assert (
-        run(capsys, "schedule", "export", "interleaved-1f1b", "--virtual", "2", "-o", str(csv_path))[0] == 0
-    )
+    assert run(capsys, "schedule", "export", "interleaved-1f1b", "--virtual", "2", "-o", str(csv_path))[0] == 0
     code, out, _ = run(capsys, "schedule", "check", str(csv_path))
     assert code == 0 and out.startswith("valid")
     code, out, _ = run(capsys, "schedule", "simulate", "--csv", str(csv_path), "--json")

@@ -171,9 +171,7 @@ def test_duplicating_an_action_is_rejected(schedule, data):
 
 @given(generated(), st.data())
 def test_swapping_a_forward_with_its_backward_is_rejected(schedule, data):
-    r, s = data.draw(
-        st.sampled_from([(r, s) for r, s in _positions(schedule) if schedule.ranks[r][s].kind is Kind.F])
-    )
+    r, s = data.draw(st.sampled_from([(r, s) for r, s in _positions(schedule) if schedule.ranks[r][s].kind is Kind.F]))
     f = schedule.ranks[r][s]
     backward_kind = Kind.I if schedule.split_backward else Kind.B
     b = Action(f.stage, backward_kind, f.microbatch)

@@ -35,9 +35,7 @@ def save_csv(schedule: Schedule, path: str | os.PathLike) -> Path:
     return path
 
 
-def schedule_from_csv_text(
-    text: str, name: str = "csv", stage_to_rank: tuple[int, ...] | None = None
-) -> Schedule:
+def schedule_from_csv_text(text: str, name: str = "csv", stage_to_rank: tuple[int, ...] | None = None) -> Schedule:
     """Parse CSV text into a Schedule; communication cells of torch's compute+comms format are dropped."""
     rows: list[list[Action | None]] = []
     reader = csv.reader(io.StringIO(text))
@@ -61,9 +59,7 @@ def schedule_from_csv_text(
                 try:
                     row.append(Action.parse(text_cell))
                 except ActionParseError as e:
-                    raise ScheduleError(
-                        f"{name}: row {rank + 1} (rank {rank}), column {step + 1}: {e}"
-                    ) from None
+                    raise ScheduleError(f"{name}: row {rank + 1} (rank {rank}), column {step + 1}: {e}") from None
         rows.append(row)
     return Schedule(rows, stage_to_rank=stage_to_rank, name=name)
 

@@ -64,8 +64,7 @@ def gpipe(pipe: int, microbatches: int) -> Schedule:
     """
     _check_sizes("gpipe", pipe, microbatches)
     orders = [
-        [Action(r, Kind.F, m) for m in range(microbatches)]
-        + [Action(r, Kind.B, m) for m in range(microbatches)]
+        [Action(r, Kind.F, m) for m in range(microbatches)] + [Action(r, Kind.B, m) for m in range(microbatches)]
         for r in range(pipe)
     ]
     return _finish("gpipe", orders, range(pipe))
@@ -330,6 +329,4 @@ register(
     )
 )
 register(GeneratorInfo("zb-h1", zb_h1, "zero-bubble H1: split backward (I/W), 1F1B's memory"))
-register(
-    GeneratorInfo("zbv", zbv, "zero-bubble V: V-shape 2 chunks per rank, split backward", default_virtual=2)
-)
+register(GeneratorInfo("zbv", zbv, "zero-bubble V: V-shape 2 chunks per rank, split backward", default_virtual=2))

@@ -113,9 +113,7 @@ class Schedule:
         return format_table(self)
 
 
-def format_table(
-    schedule: Schedule, mark: tuple[int, int] | None = None, max_steps: int | None = None
-) -> str:
+def format_table(schedule: Schedule, mark: tuple[int, int] | None = None, max_steps: int | None = None) -> str:
     """Render the table: one row per rank, one column per step; ``mark=(rank, step)`` brackets a cell."""
     rows = schedule.rows_as_text()
     steps = schedule.num_steps

@@ -1,0 +1,86 @@
+"""Run configuration, free of JAX imports so the CLI can set up devices before JAX starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmem._errors import JaxmemError
+from jaxmem.schedule import Schedule, generate, load_csv, validate
+
+__all__ = ["TrainConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a training run needs; every field has a CLI flag of the same name.
+
+    Attributes:
+        model: model preset (``tiny``, ``gpt2-small``, ``gpt2-medium``, ``gpt2-xl``).
+        schedule: schedule name, or None when ``schedule_csv`` is given.
+        schedule_csv: a schedule table to run instead of a generated one.
+        stages: pipeline ranks P.
+        microbatches: microbatches M per step.
+        virtual: stages per rank for interleaved-1f1b.
+        data_parallel: data-parallel replicas D (devices used = D x P).
+        devices: virtual CPU devices to create when there is no accelerator (default D x P).
+        steps: optimizer steps.
+        seq_len: tokens per sequence.
+        batch_size: global batch (sequences per step); divisible by D x M.
+        lr: Adam learning rate.
+        seed: parameter initialisation and data order.
+        data: ``text`` (embedded corpus) or ``synthetic``.
+        layers_per_stage: explicit layers per stage (balanced when None).
+        policy: memory policy spec (see ``jaxmem.policy``); None = save every residual.
+    """
+
+    model: str = "tiny"
+    schedule: str | None = "1f1b"
+    schedule_csv: str | None = None
+    stages: int = 4
+    microbatches: int = 8
+    virtual: int | None = None
+    data_parallel: int = 1
+    devices: int | None = None
+    steps: int = 300
+    seq_len: int = 64
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+    data: str = "text"
+    layers_per_stage: tuple[int, ...] | None = None
+    policy: object = None
+
+    def __post_init__(self):
+        for field in ("stages", "microbatches", "data_parallel", "steps", "seq_len", "batch_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise JaxmemError(f"{field.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.lr <= 0:
+            raise JaxmemError(f"lr must be > 0, got {self.lr}")
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
+
+    def model_config(self):
+        """The model's GPTConfig (imports JAX)."""
+        from jaxmem.models.gpt import get_config
+
+        config = get_config(self.model)
+        if self.seq_len > config.max_seq_len:
+            raise JaxmemError(f"--seq-len {self.seq_len} exceeds {self.model}'s max_seq_len {config.max_seq_len}")
+        return config
+
+    def build_schedule(self) -> Schedule:
+        if self.schedule_csv:
+            s = validate(load_csv(self.schedule_csv))
+            if s.num_ranks != self.stages:
+                raise JaxmemError(
+                    f"{self.schedule_csv} has {s.num_ranks} ranks but --stages is {self.stages}; "
+                    f"pass --stages {s.num_ranks}"
+                )
+            if s.num_microbatches != self.microbatches:
+                raise JaxmemError(
+                    f"{self.schedule_csv} has {s.num_microbatches} microbatches but --microbatches is "
+                    f"{self.microbatches}; pass --microbatches {s.num_microbatches}"
+                )
+            return s
+        return generate(self.schedule or "1f1b", self.stages, self.microbatches, self.virtual)

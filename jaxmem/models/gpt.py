@@ -1,0 +1,202 @@
+"""A decoder-only transformer in Flax NNX, with ``checkpoint_name`` tags on the activations a memory
+policy may keep, recompute or offload. The model holds no policy: policies wrap its stage functions."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxmem._errors import JaxmemError
+
+__all__ = ["GPT", "GPTConfig", "HEAD_TAGS", "PRESETS", "TAGS", "Block", "get_config", "cross_entropy"]
+
+# Named activations of one block, in the order the forward produces them.
+TAGS = (
+    "attn_in",  # layer-normed block input, fed to the q/k/v projection
+    "q",
+    "k",
+    "v",
+    "attn_probs",  # softmax(q k^T): heads x seq x seq per sequence, the largest per-token-quadratic tensor
+    "attn_ctx",  # probs @ v, fed to the output projection
+    "attn_out",  # attention output after its projection
+    "mlp_in",  # layer-normed residual stream, fed to the MLP
+    "mlp_pre",  # MLP pre-activation (input of the GELU)
+    "mlp_hidden",  # MLP hidden activation (4x wider than the model)
+    "block_out",  # the block's output (the residual stream)
+)
+HEAD_TAGS = ("logits",)  # the last stage's output projection, before the softmax
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a GPT.
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (256 for the byte-level default corpus).
+        max_seq_len: longest sequence (size of the position embedding).
+        d_model: width of the residual stream.
+        n_heads: attention heads; must divide ``d_model``.
+        n_layers: transformer blocks.
+        d_ff: MLP hidden width; ``4 * d_model`` when 0.
+        tied_head: reuse the token embedding as the output projection (as GPT-2 does).
+        dtype: parameter and activation dtype.
+    """
+
+    vocab_size: int = 256
+    max_seq_len: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 8
+    d_ff: int = 0
+    tied_head: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for field in ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_layers"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise JaxmemError(f"GPTConfig.{field} must be an integer >= 1, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise JaxmemError(f"GPTConfig: n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        if self.d_ff == 0:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def param_count(self) -> int:
+        d, f, v = self.d_model, self.d_ff, self.vocab_size
+        block = 2 * 2 * d + d * 3 * d + 3 * d + d * d + d + d * f + f + f * d + d
+        head = 0 if self.tied_head else d * v
+        return v * d + self.max_seq_len * d + self.n_layers * block + 2 * d + head
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "gpt2-small": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=768, n_heads=12, n_layers=12, tied_head=True),
+    "gpt2-medium": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1024, n_heads=16, n_layers=24, tied_head=True),
+    "gpt2-xl": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1600, n_heads=25, n_layers=48, tied_head=True),
+}
+
+
+def get_config(name: str | GPTConfig, **overrides) -> GPTConfig:
+    """A preset by name (case-insensitive), with field overrides.
+
+    >>> get_config("tiny", n_layers=4).n_layers
+    4
+    """
+    if isinstance(name, GPTConfig):
+        base = name
+    else:
+        key = str(name).strip().lower()
+        if key not in PRESETS:
+            raise JaxmemError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        base = PRESETS[key]
+    return dataclasses.replace(base, **overrides) if overrides else base
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        d, f = config.d_model, config.d_ff
+        dtype = jnp.dtype(config.dtype)
+        init = nnx.initializers.normal(0.02)
+        proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layers))
+        self.n_heads = config.n_heads
+        self.ln1 = nnx.LayerNorm(d, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.proj = nnx.Linear(d, d, kernel_init=proj_init, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.fc = nnx.Linear(d, f, kernel_init=init, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(f, d, kernel_init=proj_init, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, seq, d = x.shape
+        heads = self.n_heads
+        h = checkpoint_name(self.ln1(x), "attn_in")
+        q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
+        q = checkpoint_name(q.reshape(batch, seq, heads, d // heads), "q")
+        k = checkpoint_name(k.reshape(batch, seq, heads, d // heads), "k")
+        v = checkpoint_name(v.reshape(batch, seq, heads, d // heads), "v")
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
+        attended = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d), "attn_ctx")
+        x = x + checkpoint_name(self.proj(attended), "attn_out")
+        h = checkpoint_name(self.ln2(x), "mlp_in")
+        pre = checkpoint_name(self.fc(h), "mlp_pre")
+        hidden = checkpoint_name(jax.nn.gelu(pre), "mlp_hidden")
+        return checkpoint_name(x + self.out(hidden), "block_out")
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy over all positions."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return -jnp.mean(picked)
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer: token + position embedding, ``n_layers`` blocks, final norm, head.
+
+    >>> model = GPT(get_config("tiny", n_layers=2), rngs=nnx.Rngs(0))
+    >>> tokens = jnp.zeros((3, 16), jnp.int32)
+    >>> model(tokens).shape
+    (3, 16, 256)
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        init = nnx.initializers.normal(0.02)
+        self.config = config
+        self.wte = nnx.Embed(
+            config.vocab_size, config.d_model, embedding_init=init, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.wpe = nnx.Embed(
+            config.max_seq_len,
+            config.d_model,
+            embedding_init=nnx.initializers.normal(0.01),
+            dtype=dtype,
+            param_dtype=dtype,
+            rngs=rngs,
+        )
+        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.ln_f = nnx.LayerNorm(config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        if not config.tied_head:
+            self.head = nnx.Linear(
+                config.d_model,
+                config.vocab_size,
+                use_bias=False,
+                kernel_init=init,
+                dtype=dtype,
+                param_dtype=dtype,
+                rngs=rngs,
+            )
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        seq = tokens.shape[-1]
+        if seq > self.config.max_seq_len:
+            raise JaxmemError(f"sequence length {seq} exceeds the model's max_seq_len {self.config.max_seq_len}")
+        return self.wte(tokens) + self.wpe(jnp.arange(seq))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        h = self.ln_f(x)
+        logits = self.wte.attend(h) if self.config.tied_head else self.head(h)
+        return checkpoint_name(logits, "logits")
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        return cross_entropy(self(tokens), targets)

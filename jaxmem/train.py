@@ -1,0 +1,192 @@
+"""Pipelined training: a config, a trainer that owns the jitted step, and ``train()`` for the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmem.config import TrainConfig
+from jaxmem.data import Batch, DataIterator
+from jaxmem.models.gpt import GPT, GPTConfig
+from jaxmem.pipeline import Pipeline, PipelineParams, make_mesh
+
+__all__ = ["TrainConfig", "TrainState", "Trainer", "train"]
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Parameters, optimizer state, step and data position: everything a resumed run needs."""
+
+    params: PipelineParams
+    opt_state: object
+    step: int
+    data: DataIterator
+
+
+def init_model_params(config: GPTConfig, seed: int) -> dict:
+    """Fresh parameters of the model as a plain dict (``nnx.to_pure_dict`` of its state)."""
+    model = GPT(config, rngs=nnx.Rngs(seed))
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+class Trainer:
+    """Builds the schedule, mesh, pipeline and optimizer, and runs jitted steps.
+
+    Everything that can be checked without compiling is checked in the constructor (model preset,
+    layer split, mesh size, batch divisibility), so bad input fails fast.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        devices: Sequence | None = None,
+    ):
+        self.config = config
+        self.model_config = config.model_config()
+        self.schedule = config.build_schedule()
+        self.mesh = make_mesh(config.data_parallel, config.stages, devices)
+        self.pipeline = Pipeline(
+            self.model_config,
+            self.schedule,
+            self.mesh,
+            layer_counts=config.layers_per_stage,
+            policy=config.policy,
+        )
+        self.pipeline.check_batch(config.batch_size, config.seq_len)
+        self.optimizer = optax.adam(config.lr)
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self._step_fn = None
+
+    def init_state(self, model_params: dict | None = None) -> TrainState:
+        params = model_params if model_params is not None else init_model_params(self.model_config, self.config.seed)
+        placed = self.pipeline.place(self.pipeline.from_model_params(params))
+        shardings = self.pipeline.shardings()
+        replicated = NamedSharding(self.mesh, P())
+        abstract_state = jax.eval_shape(self.optimizer.init, placed)
+        state_shardings = optax.tree_map_params(
+            self.optimizer,
+            lambda _, s: s,
+            abstract_state,
+            shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        opt_state = jax.jit(self.optimizer.init, out_shardings=state_shardings)(placed)
+        data = DataIterator(
+            source=self.config.data,
+            batch_size=self.config.batch_size,
+            seq_len=self.config.seq_len,
+            seed=self.config.seed,
+            vocab_size=self.model_config.vocab_size,
+        )
+        return TrainState(params=placed, opt_state=opt_state, step=0, data=data)
+
+    def _build_step(self):
+        grad_fn = self.pipeline.grad_fn(self.config.batch_size, self.config.seq_len)
+        optimizer = self.optimizer
+
+        def step(params, opt_state, tokens, targets):
+            loss, grads = grad_fn(params, tokens, targets)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    @property
+    def step_fn(self):
+        if self._step_fn is None:
+            self._step_fn = self._build_step()
+        return self._step_fn
+
+    def put_batch(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        return (
+            jax.device_put(batch.tokens, self.batch_sharding),
+            jax.device_put(batch.targets, self.batch_sharding),
+        )
+
+    def lower(self, state: TrainState):
+        """The lowered (not yet compiled) step, e.g. for ``.compile().memory_analysis()``."""
+        tokens = jax.ShapeDtypeStruct(
+            (self.config.batch_size, self.config.seq_len), jnp.int32, sharding=self.batch_sharding
+        )
+        return self.step_fn.lower(state.params, state.opt_state, tokens, tokens)
+
+    def step(self, state: TrainState) -> tuple[TrainState, jax.Array, Batch]:
+        batch, data = state.data.next()
+        tokens, targets = self.put_batch(batch)
+        params, opt_state, loss = self.step_fn(state.params, state.opt_state, tokens, targets)
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, data=data), loss, batch
+
+
+def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | None = None) -> dict:
+    """Run ``config.steps`` steps; returns the summary the CLI prints with ``--json``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    trainer = Trainer(config)
+    state = trainer.init_state()
+    console = Console(stderr=True)
+    tokens_per_step = config.batch_size * config.seq_len
+    losses: list[float] = []
+    compile_start = time.perf_counter()
+    if progress:
+        console.print(
+            f"[bold]jaxmem train[/bold]: {config.model} ({trainer.model_config.param_count():,} params), "
+            f"{trainer.schedule.name} P={config.stages} M={config.microbatches} "
+            f"stages={trainer.schedule.num_stages} data={config.data_parallel} on "
+            f"{config.data_parallel * config.stages} {jax.devices()[0].platform} devices; compiling..."
+        )
+    state, loss, _ = trainer.step(state)
+    losses.append(float(loss))
+    compile_seconds = time.perf_counter() - compile_start
+    if on_step:
+        on_step(state, losses[-1])
+    run_start = time.perf_counter()
+    columns = [
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
+        task = bar.add_task("train", total=config.steps, completed=1, info=f"loss {losses[0]:.3f}")
+        for _ in range(config.steps - 1):
+            state, loss, _ = trainer.step(state)
+            loss_value = float(loss)
+            losses.append(loss_value)
+            if on_step:
+                on_step(state, loss_value)
+            elapsed = time.perf_counter() - run_start
+            rate = tokens_per_step * (len(losses) - 1) / max(elapsed, 1e-9)
+            bar.update(task, completed=len(losses), info=f"loss {loss_value:.3f}  {rate:,.0f} tok/s")
+    run_seconds = time.perf_counter() - run_start
+    steady_steps = len(losses) - 1
+    return {
+        "steps": len(losses),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "loss_last10_mean": float(np.mean(losses[-10:])),
+        "tokens_per_second": tokens_per_step * steady_steps / run_seconds if steady_steps else None,
+        "compile_seconds": compile_seconds,
+        "run_seconds": run_seconds,
+        "schedule": trainer.schedule.name,
+        "stages": config.stages,
+        "pipeline_stages": trainer.schedule.num_stages,
+        "microbatches": config.microbatches,
+        "data_parallel": config.data_parallel,
+        "devices": config.data_parallel * config.stages,
+        "platform": jax.devices()[0].platform,
+        "model": config.model,
+        "batch_size": config.batch_size,
+        "seq_len": config.seq_len,
+        "policy": None if config.policy is None else str(config.policy),
+    }
