@@ -1,0 +1,136 @@
+"""Pipelined step vs plain jitted step of the same model and batch, and compile time vs microbatches.
+
+    python benchmarks/overhead.py [--steps 20] [--json]
+
+Measured in one process on virtual CPU devices: the pipelined 1F1B step (P=4) against the plain
+``jax.jit(value_and_grad + Adam)`` step on one device, and the compile time of the pipelined step at
+M=4 and M=32 (same global batch). CPU timings say nothing about a GPU cluster's throughput; they show
+the executor's overhead and that compile time does not grow with M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxmem.config import TrainConfig  # noqa: E402
+from jaxmem.data import DataIterator  # noqa: E402
+from jaxmem.models import GPT, get_config  # noqa: E402
+from jaxmem.train import Trainer  # noqa: E402
+
+
+def time_steps(fn, state, batches, steps):
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        state = fn(state, batches[i % len(batches)])
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    return state, float(np.median(times))
+
+
+def plain_step_seconds(config_name, batch, seq, steps, seed=0):
+    config = get_config(config_name)
+    model = GPT(config, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
+    optimizer = optax.adam(3e-3)
+
+    @jax.jit
+    def step(params, opt_state, tokens, targets):
+        loss, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(tokens, targets))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    data = DataIterator(batch_size=batch, seq_len=seq, seed=seed)
+    batches = [data.batch_at(i * batch) for i in range(4)]
+    opt_state = optimizer.init(params)
+    start = time.perf_counter()
+    compiled = step.lower(params, opt_state, batches[0].tokens, batches[0].targets).compile()
+    compile_seconds = time.perf_counter() - start
+
+    def run(state, b):
+        p, o, _ = compiled(state[0], state[1], b.tokens, b.targets)
+        return (p, o)
+
+    (params, opt_state), _ = time_steps(run, (params, opt_state), batches, 2)  # warm up
+    _, seconds = time_steps(run, (params, opt_state), batches, steps)
+    return seconds, compile_seconds
+
+
+def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4):
+    trainer = Trainer(TrainConfig(schedule=schedule, stages=stages, microbatches=microbatches, batch_size=batch,
+                                  seq_len=seq, steps=max(steps, 1)))
+    state = trainer.init_state()
+    start = time.perf_counter()
+    compiled = trainer.lower(state).compile()
+    compile_seconds = time.perf_counter() - start
+    if steps == 0:
+        return None, compile_seconds
+    batches = [state.data.batch_at(i * batch) for i in range(4)]
+
+    def run(s, b):
+        tokens, targets = trainer.put_batch(b)
+        p, o, _ = compiled(s[0], s[1], tokens, targets)
+        return (p, o)
+
+    carried, _ = time_steps(run, (state.params, state.opt_state), batches, 2)
+    _, seconds = time_steps(run, carried, batches, steps)
+    return seconds, compile_seconds
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (median reported)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    B, T = args.batch_size, args.seq_len
+
+    plain_s, plain_compile = plain_step_seconds("tiny", B, T, args.steps)
+    pipe_s, compile_m8 = pipelined(8, B, T, args.steps)
+    _, compile_m4 = pipelined(4, B, T, 0)
+    _, compile_m32 = pipelined(32, B, T, 0)
+    record = {
+        "benchmark": "overhead",
+        "model": "tiny",
+        "batch_size": B,
+        "seq_len": T,
+        "platform": jax.devices()[0].platform,
+        "cpu_count": os.cpu_count(),
+        "plain_step_seconds": plain_s,
+        "pipelined_step_seconds": pipe_s,
+        "pipelined_schedule": "1f1b P=4 M=8",
+        "pipelined_over_plain_step_ratio": pipe_s / plain_s,
+        "plain_compile_seconds": plain_compile,
+        "compile_seconds_m4": compile_m4,
+        "compile_seconds_m8": compile_m8,
+        "compile_seconds_m32": compile_m32,
+        "compile_ratio_m32_over_m4": compile_m32 / compile_m4,
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        print(f"{'variant':38s} {'step s':>10s} {'compile s':>10s}")
+        print(f"{'plain jit (1 device)':38s} {plain_s:10.4f} {plain_compile:10.2f}")
+        print(f"{'pipelined 1f1b P=4 M=8 (4 devices)':38s} {pipe_s:10.4f} {compile_m8:10.2f}")
+        print(f"{'pipelined 1f1b P=4 M=4 (compile only)':38s} {'':>10s} {compile_m4:10.2f}")
+        print(f"{'pipelined 1f1b P=4 M=32 (compile only)':38s} {'':>10s} {compile_m32:10.2f}")
+        print(f"pipelined / plain step time: {record['pipelined_over_plain_step_ratio']:.2f}x; "
+              f"compile M=32 / M=4: {record['compile_ratio_m32_over_m4']:.2f}x")
+    return record
+
+
+if __name__ == "__main__":
+    main()

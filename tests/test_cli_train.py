@@ -1,0 +1,61 @@
+"""`jaxmem train` and `jaxmem verify` from the command line (in-process; conftest gave 8 devices)."""
+
+import json
+
+import pytest
+
+from jaxmem.cli import main
+
+SMALL = ["--stages", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16"]
+
+
+def test_train_json_summary(capsys):
+    code = main(["train", *SMALL, "--steps", "4", "--json", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0
+    summary = json.loads(out)
+    for key in ("steps", "loss_first", "loss_last", "tokens_per_second", "schedule", "stages", "microbatches",
+                "devices"):
+        assert key in summary
+    assert summary["steps"] == 4 and summary["devices"] == 2 and summary["schedule"] == "1f1b"
+
+
+def test_config_file_and_flag_override(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('schedule = "gpipe"\nstages = 2\nmicrobatches = 2\nbatch-size = 4\nseq-len = 16\nsteps = 9\n')
+    code = main(["train", "--config", str(cfg), "--steps", "2", "--json", "--quiet"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["schedule"] == "gpipe" and summary["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train", "--model", "gpt5"], "unknown model preset 'gpt5'"),
+        (["train", "--stages", "3", "--microbatches", "3", "--batch-size", "6"], "do not split evenly"),
+        (["train", "--batch-size", "30"], "not divisible"),
+        (["train", "--schedule", "2f2b"], "unknown schedule"),
+        (["train", "--steps", "0"], "steps must be an integer >= 1"),
+        (["train", "--layers-per-stage", "a,b"], "comma-separated integers"),
+    ],
+)
+def test_train_bad_input(capsys, argv, message):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_unknown_config_key(tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("stagez = 4\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "unknown setting 'stagez'" in capsys.readouterr().err
+
+
+def test_verify_json(capsys):
+    code = main(["verify", "--schedule", "zb-h1", "--stages", "2", "--microbatches", "4", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    for key in ("ok", "max_abs_diff", "max_rel_diff", "schedule"):
+        assert key in result
+    assert result["ok"] is True

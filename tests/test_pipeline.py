@@ -1,0 +1,139 @@
+"""The shard_map executor: every schedule gives plain jax.grad gradients; compile behaviour; input errors."""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmem import JaxmemError
+from jaxmem.config import TrainConfig
+from jaxmem.models import GPT, get_config
+from jaxmem.pipeline import Pipeline, build_tick_program, make_mesh
+from jaxmem.schedule import generate, load_csv
+from jaxmem.train import Trainer
+from jaxmem.verify import ATOL, RTOL, plain_value_and_grad, verification_model, verify
+
+CASES = [
+    # (schedule, P, M, V, data-parallel)
+    ("gpipe", 4, 4, None, 1),
+    ("1f1b", 4, 8, None, 1),
+    ("1f1b", 2, 3, None, 1),
+    ("1f1b", 1, 2, None, 1),
+    ("interleaved-1f1b", 4, 8, 2, 1),
+    ("interleaved-1f1b", 2, 4, 2, 1),
+    ("zb-h1", 4, 8, None, 1),
+    ("zb-h1", 2, 4, None, 1),
+    ("zbv", 4, 8, None, 1),
+    ("zbv", 2, 4, None, 1),
+    ("1f1b", 4, 4, None, 2),
+    ("zbv", 4, 4, None, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "name,p,m,v,d", CASES, ids=[f"{n}-P{p}-M{m}" + (f"-V{v}" if v else "") + f"-D{d}" for n, p, m, v, d in CASES]
+)
+def test_gradients_equal_plain_grad(name, p, m, v, d):
+    result = verify(generate(name, p, m, v), data_parallel=d)
+    assert result["ok"], result
+    assert result["max_abs_diff"] < 1e-5
+
+
+def test_gradients_elementwise_against_plain_grad_tied_head_uneven_split():
+    config = dataclasses.replace(get_config("tiny"), n_layers=8, max_seq_len=16, tied_head=True)
+    schedule = generate("1f1b", 3, 6)
+    pipe = Pipeline(config, schedule, make_mesh(1, 3), layer_counts=[3, 3, 2])
+    params = nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(3))))
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (6, 16), 0, config.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1)
+    loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), tokens, targets)
+    loss_ref, grads_ref = plain_value_and_grad(config, params, tokens, targets)
+    np.testing.assert_allclose(loss, loss_ref, rtol=RTOL, atol=ATOL)
+    got = pipe.to_model_params(grads)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(grads_ref)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("csv", ["torch_zbv_p4_m8_compute.csv", "torch_interleaved1f1b_p4_m8_compute_comms.csv"])
+def test_torch_csv_schedules_verify(csv):
+    from pathlib import Path
+
+    schedule = load_csv(Path(__file__).parent / "data" / csv)
+    assert verify(schedule)["ok"]
+
+
+def test_stash_slots_come_from_the_schedule_peak_not_m():
+    from jaxmem.pipeline import StageClass
+
+    for m in (4, 32):
+        schedule = generate("1f1b", 4, m)
+        cells = {(s, mb): StageClass(s == 0, s == 3, 1) for s in range(4) for mb in range(m)}
+        tick = build_tick_program(schedule, cells)
+        assert tick.stash_slots == (4,)
+        assert tick.act_slots == 1
+
+
+@pytest.fixture(scope="module")
+def small_trainer():
+    config = TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, steps=3)
+    return Trainer(config)
+
+
+def test_second_step_compiles_nothing(small_trainer, caplog):
+    state = small_trainer.init_state()
+    state, loss1, _ = small_trainer.step(state)
+    jax.block_until_ready(loss1)
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        state, loss2, _ = small_trainer.step(state)
+        jax.block_until_ready(loss2)
+    compiles = [r for r in caplog.records if "Compiling" in r.getMessage()]
+    assert compiles == [], [r.getMessage() for r in compiles]
+    assert state.step == 2
+
+
+def test_training_lowers_the_loss(small_trainer):
+    state = small_trainer.init_state()
+    losses = []
+    for _ in range(12):
+        state, loss, _ = small_trainer.step(state)
+        losses.append(float(loss))
+    assert np.mean(losses[-3:]) < losses[0] - 0.3
+
+
+# ---------------------------------------------------------------- errors before compiling
+def test_stages_that_do_not_divide_the_layers():
+    with pytest.raises(JaxmemError, match=r"8 layers do not split evenly over 3 stages; .*1, 2, 4, 8"):
+        Trainer(TrainConfig(stages=3, microbatches=3, batch_size=6))
+
+
+def test_devices_that_do_not_factor():
+    with pytest.raises(JaxmemError, match=r"data\(2\) x pipe\(8\) = 16 devices, but only 8"):
+        Trainer(TrainConfig(stages=8, data_parallel=2, microbatches=8, batch_size=16))
+
+
+def test_batch_not_divisible_by_microbatches():
+    with pytest.raises(JaxmemError, match=r"batch size 30 is not divisible by .* = 8; use a batch size in \[8, 16"):
+        Trainer(TrainConfig(batch_size=30))
+
+
+def test_schedule_stage_count_mismatch(tmp_path):
+    from jaxmem.schedule import save_csv
+
+    path = save_csv(generate("1f1b", 2, 8), tmp_path / "two.csv")
+    with pytest.raises(JaxmemError, match="has 2 ranks but --stages is 4; pass --stages 2"):
+        Trainer(TrainConfig(schedule=None, schedule_csv=str(path), stages=4))
+
+
+def test_unknown_model_preset():
+    with pytest.raises(JaxmemError, match="unknown model preset 'gpt5'; valid presets: tiny, gpt2-small"):
+        Trainer(TrainConfig(model="gpt5"))
+
+
+def test_verification_model_splits_evenly():
+    assert verification_model(8).n_layers == 8
+    assert verification_model(3).n_layers == 3
