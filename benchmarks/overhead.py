@@ -69,8 +69,16 @@ def plain_step_seconds(config_name, batch, seq, steps, seed=0):
 
 
 def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4):
-    trainer = Trainer(TrainConfig(schedule=schedule, stages=stages, microbatches=microbatches, batch_size=batch,
-                                  seq_len=seq, steps=max(steps, 1)))
+    trainer = Trainer(
+        TrainConfig(
+            schedule=schedule,
+            stages=stages,
+            microbatches=microbatches,
+            batch_size=batch,
+            seq_len=seq,
+            steps=max(steps, 1),
+        )
+    )
     state = trainer.init_state()
     start = time.perf_counter()
     compiled = trainer.lower(state).compile()
@@ -127,8 +135,10 @@ def main(argv=None):
         print(f"{'pipelined 1f1b P=4 M=8 (4 devices)':38s} {pipe_s:10.4f} {compile_m8:10.2f}")
         print(f"{'pipelined 1f1b P=4 M=4 (compile only)':38s} {'':>10s} {compile_m4:10.2f}")
         print(f"{'pipelined 1f1b P=4 M=32 (compile only)':38s} {'':>10s} {compile_m32:10.2f}")
-        print(f"pipelined / plain step time: {record['pipelined_over_plain_step_ratio']:.2f}x; "
-              f"compile M=32 / M=4: {record['compile_ratio_m32_over_m4']:.2f}x")
+        print(
+            f"pipelined / plain step time: {record['pipelined_over_plain_step_ratio']:.2f}x; "
+            f"compile M=32 / M=4: {record['compile_ratio_m32_over_m4']:.2f}x"
+        )
     return record
 
 

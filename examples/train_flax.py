@@ -1,6 +1,6 @@
 """Embed jaxmem in your own Flax training script: model, schedule, pipeline, optax step.
 
-    python examples/train_flax.py            # 4 virtual CPU devices, 40 steps of the tiny GPT
+python examples/train_flax.py            # 4 virtual CPU devices, 40 steps of the tiny GPT
 """
 
 import os

@@ -32,6 +32,18 @@ class TrainState:
     data: DataIterator
 
 
+def _to_device(tree):
+    """Bring host-resident leaves (``pinned_host`` memory kind) to device memory; others unchanged."""
+
+    def fetch(x):
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or str(
+            getattr(jax.typeof(x), "memory_space", "")
+        )
+        return jax.device_put(x, jax.memory.Space.Device) if "host" in str(kind).lower() else x
+
+    return jax.tree.map(fetch, tree)
+
+
 def init_model_params(config: GPTConfig, seed: int) -> dict:
     """Fresh parameters of the model as a plain dict (``nnx.to_pure_dict`` of its state)."""
     model = GPT(config, rngs=nnx.Rngs(seed))
@@ -70,17 +82,7 @@ class Trainer:
     def init_state(self, model_params: dict | None = None) -> TrainState:
         params = model_params if model_params is not None else init_model_params(self.model_config, self.config.seed)
         placed = self.pipeline.place(self.pipeline.from_model_params(params))
-        shardings = self.pipeline.shardings()
-        replicated = NamedSharding(self.mesh, P())
-        abstract_state = jax.eval_shape(self.optimizer.init, placed)
-        state_shardings = optax.tree_map_params(
-            self.optimizer,
-            lambda _, s: s,
-            abstract_state,
-            shardings,
-            transform_non_params=lambda _: replicated,
-        )
-        opt_state = jax.jit(self.optimizer.init, out_shardings=state_shardings)(placed)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_state_shardings())(_to_device(placed))
         data = DataIterator(
             source=self.config.data,
             batch_size=self.config.batch_size,
@@ -90,16 +92,32 @@ class Trainer:
         )
         return TrainState(params=placed, opt_state=opt_state, step=0, data=data)
 
+    def opt_state_shardings(self):
+        """Optimizer-state shardings: like the parameters', on host where the policy offloads it."""
+        abstract_params = self.pipeline.abstract_params()
+        abstract_state = jax.eval_shape(self.optimizer.init, abstract_params)
+        return optax.tree_map_params(
+            self.optimizer,
+            lambda _, s: s,
+            abstract_state,
+            self.pipeline.shardings(self.pipeline.optimizer_state_on_host),
+            transform_non_params=lambda _: NamedSharding(self.mesh, P()),
+        )
+
     def _build_step(self):
         grad_fn = self.pipeline.grad_fn(self.config.batch_size, self.config.seq_len)
         optimizer = self.optimizer
 
         def step(params, opt_state, tokens, targets):
             loss, grads = grad_fn(params, tokens, targets)
+            # Offloaded weights / optimizer state come to the device for the update and go back to
+            # host through the output shardings.
+            params, opt_state = _to_device(params), _to_device(opt_state)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        return jax.jit(step, donate_argnums=(0, 1))
+        out_shardings = (self.pipeline.shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
+        return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
     @property
     def step_fn(self):

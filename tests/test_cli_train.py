@@ -14,8 +14,16 @@ def test_train_json_summary(capsys):
     out = capsys.readouterr().out
     assert code == 0
     summary = json.loads(out)
-    for key in ("steps", "loss_first", "loss_last", "tokens_per_second", "schedule", "stages", "microbatches",
-                "devices"):
+    for key in (
+        "steps",
+        "loss_first",
+        "loss_last",
+        "tokens_per_second",
+        "schedule",
+        "stages",
+        "microbatches",
+        "devices",
+    ):
         assert key in summary
     assert summary["steps"] == 4 and summary["devices"] == 2 and summary["schedule"] == "1f1b"
 

@@ -24,7 +24,7 @@ from jaxmem._errors import JaxmemError
 from jaxmem.models.gpt import GPT, GPTConfig
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage
 from jaxmem.pipeline._split import GPTPieces, split_layers, stack_stage_params, unstack_stage_params
-from jaxmem.pipeline._ticks import COLUMNS, StageClass, TickProgram, build_tick_program
+from jaxmem.pipeline._ticks import COLUMNS, StageClass, TickProgram, build_tick_program, cell_classes
 from jaxmem.policy import ResolvedPolicy, from_spec
 from jaxmem.schedule import Kind, Schedule, validate
 
@@ -136,21 +136,12 @@ class Pipeline:
         self.pieces = GPTPieces.create(config)
         self.policy: ResolvedPolicy = from_spec(policy).resolve(schedule)
         self.virtual = per_rank.pop()
-        S = schedule.num_stages
-        local = {s: schedule.stages_of(schedule.stage_to_rank[s]).index(s) for s in range(S)}
-        self.cell_classes = {
-            (s, m): StageClass(
-                first=s == 0,
-                last=s == S - 1,
-                layers=self.layer_counts[s],
-                variant=self.policy.variant_of[(s, m)],
-                local=local[s],
-            )
-            for s in range(S)
-            for m in range(schedule.num_microbatches)
-        }
+        self.cell_classes = cell_classes(schedule, self.layer_counts, self.policy)
         # Weights on host per local position (the policy checked this is consistent across ranks).
         self.weights_on_host = tuple(self.policy.offload_weights(schedule.stages_of(0)[v]) for v in range(self.virtual))
+        self.optimizer_state_on_host = tuple(
+            self.policy.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(self.virtual)
+        )
         self._programs: dict[_Shape, tuple[TickProgram, dict]] = {}
         self._grad_fns: dict[_Shape, object] = {}
         self._jitted: dict[_Shape, object] = {}
@@ -172,15 +163,17 @@ class Pipeline:
     def abstract_params(self) -> PipelineParams:
         return jax.eval_shape(self.from_model_params, self._abstract_model_params())
 
-    def shardings(self) -> PipelineParams:
-        """Target shardings: stage parameters split over ``pipe`` (on host where the policy offloads
-        weights), shared ones replicated."""
+    def shardings(self, on_host: Sequence[bool] | None = None) -> PipelineParams:
+        """Target shardings: stage parameters split over ``pipe``, shared ones replicated.
+
+        ``on_host[v]`` puts the v-th local stage on host (``pinned_host``); by default where the policy
+        offloads weights. Pass :attr:`optimizer_state_on_host` for the optimizer state's layout.
+        """
+        on_host = self.weights_on_host if on_host is None else tuple(on_host)
         abstract = self.abstract_params()
         stages = tuple(
             jax.tree.map(
-                lambda _, v=v: NamedSharding(
-                    self.mesh, P("pipe"), memory_kind=HOST if self.weights_on_host[v] else None
-                ),
+                lambda _, v=v: NamedSharding(self.mesh, P("pipe"), memory_kind=HOST if on_host[v] else None),
                 tree,
             )
             for v, tree in enumerate(abstract.stages)
@@ -308,20 +301,28 @@ class Pipeline:
                 for c in classes
             ]
 
-            def idle(stash_in, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
-                return x_like, stash_in, grads, shared_grads, loss_sum
+            def read_slot(stash, slot):
+                return tuple(
+                    {k: jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for k, b in g.items()} for g in stash
+                )
+
+            # Branches read the stash slot themselves and return what the slot should hold after the
+            # tick (new residuals for F, the unchanged slot otherwise): the buffers enter the switch
+            # read-only, so no branch copies them, and only one slot-sized value leaves it.
+            def idle(stash, slot, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
+                return x_like, read_slot(stash, slot), grads, shared_grads, loss_sum
 
             def make_branch(class_index: int, kind: Kind):
                 c, plan, group = classes[class_index], plans[class_index], group_of[class_index]
 
-                def branch(stash_in, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
+                def branch(stash, slot, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
                     params = device_params(c.local)
+                    stash_in = read_slot(stash, slot)
                     if kind is Kind.F:
-                        out, packed = plan.forward(params, shared, x_in, tok, tgt)
+                        out, packed = plan.forward(params, shared, x_in, tok, tgt, widths=group_buffers[group])
                         stash_out = list(stash_in)
                         stash_out[group] = {
-                            key: plan.pad(packed[key], width) if key in packed else stash_in[group][key]
-                            for key, width in group_buffers[group].items()
+                            key: packed[key] if key in packed else stash_in[group][key] for key in group_buffers[group]
                         }
                         if c.last:
                             return x_like, tuple(stash_out), grads, shared_grads, loss_sum + _vary(out)
@@ -349,11 +350,8 @@ class Pipeline:
                 x_in = jax.lax.dynamic_index_in_dim(act_buf, row[col["act_in"]], 0, keepdims=False)
                 g_in = jax.lax.dynamic_index_in_dim(grad_buf, row[col["grad_in"]], 0, keepdims=False)
                 slot = row[col["stash"]]
-                stash_in = tuple(
-                    {k: jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for k, b in g.items()} for g in stash
-                )
                 message, stash_out, grads, shared_grads, loss_sum = jax.lax.switch(
-                    row[col["branch"]], branches, stash_in, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt
+                    row[col["branch"]], branches, stash, slot, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt
                 )
                 stash = tuple(
                     {k: jax.lax.dynamic_update_index_in_dim(b, stash_out[gi][k], slot, 0) for k, b in g.items()}

@@ -84,6 +84,23 @@ class TickProgram:
     stash_groups: tuple[tuple[int, ...], ...]
     stash_slots: tuple[int, ...]
     stash_live: tuple[tuple[int, ...], ...]
+    stash_intervals: tuple[tuple[tuple[int, int, int], ...], ...] = dataclasses.field(
+        repr=False, compare=False, default=()
+    )
+
+    def live_stash_peak(self, rank: int, class_bytes) -> float:
+        """Peak over the step of the stash bytes ``rank`` really holds, with ``class_bytes[c]`` bytes
+        per item of class ``c`` (an SPMD program allocates more: every rank gets the largest need)."""
+        events = sorted(
+            [(p, 1, c) for p, _, c in self.stash_intervals[rank]]
+            + [(q, -1, c) for _, q, c in self.stash_intervals[rank]],
+            key=lambda e: (e[0], e[1]),
+        )
+        live = peak = 0.0
+        for _, sign, c in events:
+            live += sign * class_bytes[c]
+            peak = max(peak, live)
+        return peak
 
     def group_of(self, class_index: int) -> int:
         return next(g for g, members in enumerate(self.stash_groups) if class_index in members)
@@ -94,6 +111,19 @@ class TickProgram:
     def recv_columns(self, offset_index: int) -> tuple[int, int]:
         base = len(COLUMNS) + 2 * offset_index
         return base, base + 1
+
+
+def cell_classes(schedule: Schedule, layer_counts, policy) -> dict[tuple[int, int], StageClass]:
+    """The class of every (stage, microbatch): role, layers, policy variant, local position."""
+    S = schedule.num_stages
+    local = {s: schedule.stages_of(schedule.stage_to_rank[s]).index(s) for s in range(S)}
+    return {
+        (s, m): StageClass(
+            first=s == 0, last=s == S - 1, layers=layer_counts[s], variant=policy.variant_of[(s, m)], local=local[s]
+        )
+        for s in range(S)
+        for m in range(schedule.num_microbatches)
+    }
 
 
 def _color_intervals(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -303,4 +333,7 @@ def build_tick_program(
         stash_groups=stash_groups,
         stash_slots=tuple(stash_slots),
         stash_live=tuple(tuple(x) for x in stash_live),
+        stash_intervals=tuple(
+            tuple((p, q, c) for c in range(len(classes)) for p, q, _ in stash_items[(r, c)]) for r in range(num_ranks)
+        ),
     )

@@ -1,0 +1,244 @@
+"""The analytical memory model: bytes per rank and category from the model config, the schedule and
+the policy -- no tracing, no compiling.
+
+Residuals. For a GPT block we write down, per named activation, its size, what it is computed from,
+and which values the backward needs directly (weight gradients need the matmul inputs, layer norms
+their inputs, softmax its output, GELU its input). Under a name-based ``jax.checkpoint`` policy a
+needed value is kept if its tag is saved (or offloaded), and otherwise recomputed from the values it
+is computed from, recursively, down to saved values or the stage input. That is how JAX's remat
+chooses residuals, and the residual sets this model derives match the jaxpr's (a test checks it).
+
+Buffers. The executor keeps, per rank: parameters (its stages' layers, padded to the most loaded
+stage, plus the replicated embeddings/head), gradient accumulators of the same size, Adam's two
+moments, stash buffers (slots from the schedule's lockstep timing, one slot holds one microbatch's
+residuals of the widest class sharing the buffer), activation/gradient message buffers, and a
+transient working set. The transient term is the one modelled, not derived: one slot-sized value
+leaving the executor's switch, plus a per-microbatch working set of the backward proportional to the
+stage's full activation volume (``BACKWARD_WORKSET``), plus the recomputed part of that volume
+(``RECOMPUTE_WORKSET``). Both constants were fitted to XLA:CPU's buffer assignment of the tiny GPT
+(benchmarks/memory.py reports the error everywhere); other backends fuse differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmem.policy import StagePolicy
+
+__all__ = [
+    "BACKWARD_WORKSET",
+    "RECOMPUTE_WORKSET",
+    "block_residual_elements",
+    "head_residual_elements",
+    "stage_residual_bytes",
+]
+
+BACKWARD_WORKSET = 1.5
+RECOMPUTE_WORKSET = 0.6
+
+# value -> (what it is computed from). "in" is the layer input.
+_BLOCK_DEPS = {
+    "attn_in": ("in",),
+    "q": ("attn_in",),
+    "k": ("attn_in",),
+    "v": ("attn_in",),
+    "attn_probs": ("q", "k"),
+    "attn_ctx": ("attn_probs", "v"),
+    "attn_out": ("attn_ctx",),
+    "mid": ("in", "attn_out"),  # residual stream after attention (untagged)
+    "mlp_in": ("mid",),
+    "mlp_pre": ("mlp_in",),
+    "mlp_hidden": ("mlp_pre",),
+    "block_out": ("mid", "mlp_hidden"),
+}
+# Values the block's backward reads directly.
+_BLOCK_NEEDS = ("in", "attn_in", "q", "k", "v", "attn_probs", "attn_ctx", "mid", "mlp_in", "mlp_pre", "mlp_hidden")
+
+
+def _block_sizes(d: int, f: int, heads: int, seq: int) -> dict[str, int]:
+    """Elements per sequence of every block value."""
+    td = seq * d
+    return {
+        "in": td,
+        "attn_in": td,
+        "q": td,
+        "k": td,
+        "v": td,
+        "attn_probs": heads * seq * seq,
+        "attn_ctx": td,
+        "attn_out": td,
+        "mid": td,
+        "mlp_in": td,
+        "mlp_pre": seq * f,
+        "mlp_hidden": seq * f,
+        "block_out": td,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualCount:
+    """Elements per sequence a stage keeps from F to B, split by where they live."""
+
+    device: int = 0
+    host: int = 0
+    stage_input: int = 0  # the stage input (always kept unless it is the token ids)
+
+    def __add__(self, other: ResidualCount) -> ResidualCount:
+        return ResidualCount(self.device + other.device, self.host + other.host, self.stage_input + other.stage_input)
+
+
+def _resolve(kept: set, needed, deps, is_kept) -> None:
+    """Add to ``kept`` the values the backward reads, recomputing what is not kept."""
+    stack = list(needed)
+    seen = set()
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        if is_kept(value):
+            kept.add(value)
+        else:
+            stack.extend(deps(value))
+
+
+def stage_residual_elements(
+    *, layers: int, first: bool, last: bool, d: int, f: int, heads: int, seq: int, vocab: int, policy: StagePolicy
+) -> ResidualCount:
+    """Elements per sequence a stage stashes (device and host) under ``policy``."""
+    sizes = _block_sizes(d, f, heads, seq)
+    keep_tags = policy.save | policy.offload
+
+    # Value names carry their layer: ("q", 3). The layer input of layer l > 0 is block_out of l - 1.
+    def canonical(value):
+        name, layer = value
+        if name == "in" and layer > 0:
+            return ("block_out", layer - 1)
+        return value
+
+    def deps(value):
+        name, layer = value
+        if name == "x_final":
+            return [canonical(("in", layers))] if layers else [("stage_input", 0)]
+        if name == "h":
+            return [("x_final", 0)]
+        if name == "logits":
+            return [("h", 0)]
+        if name == "in":
+            return [("stage_input", 0)]
+        if name == "stage_input":
+            return []
+        return [canonical((dep, layer)) for dep in _BLOCK_DEPS[name]]
+
+    def is_kept(value):
+        name, _ = value
+        if name == "stage_input":
+            return not first  # the first stage recomputes its input from token ids and the embedding
+        if name in ("mid", "h", "x_final"):
+            return False
+        if name == "in":
+            return False  # layer 0's input is the stage input (a dependency), never a separate value
+        return name in keep_tags
+
+    needed = [canonical((n, layer)) for layer in range(layers) for n in _BLOCK_NEEDS]
+    if last:
+        needed += [("x_final", 0), ("h", 0), ("logits", 0)]
+    kept: set = set()
+    _resolve(kept, needed, deps, is_kept)
+    device = host = stage_input = 0
+    for name, _ in kept:
+        if name == "stage_input":
+            stage_input += seq * d
+            continue
+        count = seq * vocab if name == "logits" else sizes[name]
+        if name in policy.offload or policy.offload_stash:
+            host += count
+        else:
+            device += count
+    if policy.offload_stash:
+        host += stage_input
+    else:
+        device += stage_input
+    return ResidualCount(device=device, host=host, stage_input=stage_input)
+
+
+def stage_residual_bytes(
+    config, *, layers: int, first: bool, last: bool, microbatch: int, seq: int, policy: StagePolicy
+) -> tuple[int, int]:
+    """(device, host) bytes one microbatch of a stage stashes."""
+    itemsize = np.dtype(config.dtype).itemsize
+    count = stage_residual_elements(
+        layers=layers,
+        first=first,
+        last=last,
+        d=config.d_model,
+        f=config.d_ff,
+        heads=config.n_heads,
+        seq=seq,
+        vocab=config.vocab_size,
+        policy=policy,
+    )
+    return count.device * microbatch * itemsize, count.host * microbatch * itemsize
+
+
+def block_residual_elements(config, seq: int, policy: StagePolicy) -> int:
+    """Per-layer elements per sequence a middle stage keeps (excluding its input), for reports."""
+    two = stage_residual_elements(
+        layers=2,
+        first=False,
+        last=False,
+        d=config.d_model,
+        f=config.d_ff,
+        heads=config.n_heads,
+        seq=seq,
+        vocab=config.vocab_size,
+        policy=policy,
+    )
+    one = stage_residual_elements(
+        layers=1,
+        first=False,
+        last=False,
+        d=config.d_model,
+        f=config.d_ff,
+        heads=config.n_heads,
+        seq=seq,
+        vocab=config.vocab_size,
+        policy=policy,
+    )
+    return (two.device + two.host) - (one.device + one.host)
+
+
+def head_residual_elements(config, seq: int, policy: StagePolicy) -> int:
+    last = stage_residual_elements(
+        layers=1,
+        first=False,
+        last=True,
+        d=config.d_model,
+        f=config.d_ff,
+        heads=config.n_heads,
+        seq=seq,
+        vocab=config.vocab_size,
+        policy=policy,
+    )
+    mid = stage_residual_elements(
+        layers=1,
+        first=False,
+        last=False,
+        d=config.d_model,
+        f=config.d_ff,
+        heads=config.n_heads,
+        seq=seq,
+        vocab=config.vocab_size,
+        policy=policy,
+    )
+    return (last.device + last.host) - (mid.device + mid.host)
+
+
+def param_counts(config) -> tuple[int, int]:
+    """(elements per block, elements of the shared embeddings/norm/head)."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    block = 4 * d + d * 3 * d + 3 * d + d * d + d + d * f + f + f * d + d
+    shared = v * d + config.max_seq_len * d + 2 * d + (0 if config.tied_head else d * v)
+    return block, shared
