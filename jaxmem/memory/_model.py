@@ -28,6 +28,7 @@ import numpy as np
 from jaxmem.policy import StagePolicy
 
 __all__ = [
+    "forward_flops",
     "BACKWARD_WORKSET",
     "RECOMPUTE_WORKSET",
     "block_residual_elements",
@@ -79,18 +80,17 @@ def _block_sizes(d: int, f: int, heads: int, seq: int) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class ResidualCount:
-    """Elements per sequence a stage keeps from F to B, split by where they live."""
+    """Per sequence: elements a stage keeps from F to B (split by where they live), and the matmul
+    FLOPs its backward spends recomputing what it did not keep."""
 
     device: int = 0
     host: int = 0
     stage_input: int = 0  # the stage input (always kept unless it is the token ids)
-
-    def __add__(self, other: ResidualCount) -> ResidualCount:
-        return ResidualCount(self.device + other.device, self.host + other.host, self.stage_input + other.stage_input)
+    recompute_flops: int = 0
 
 
-def _resolve(kept: set, needed, deps, is_kept) -> None:
-    """Add to ``kept`` the values the backward reads, recomputing what is not kept."""
+def _resolve(kept: set, recomputed: set, needed, deps, is_kept) -> None:
+    """Add to ``kept`` the values the backward reads, and to ``recomputed`` those it must recompute."""
     stack = list(needed)
     seen = set()
     while stack:
@@ -101,7 +101,28 @@ def _resolve(kept: set, needed, deps, is_kept) -> None:
         if is_kept(value):
             kept.add(value)
         else:
+            recomputed.add(value)
             stack.extend(deps(value))
+
+
+def _op_flops(name: str, d: int, f: int, seq: int, vocab: int) -> int:
+    """Matmul FLOPs per sequence of the op producing a value (elementwise ops are counted as free)."""
+    return {
+        "qkv": 6 * seq * d * d,
+        "attn_probs": 2 * seq * seq * d,
+        "attn_ctx": 2 * seq * seq * d,
+        "attn_out": 2 * seq * d * d,
+        "mlp_pre": 2 * seq * d * f,
+        "block_out": 2 * seq * f * d,
+        "logits": 2 * seq * d * vocab,
+    }.get(name, 0)
+
+
+def forward_flops(config, *, layers: int, last: bool, seq: int) -> int:
+    """Matmul FLOPs per sequence of a stage's forward (backward: twice that, half input-, half weight-gradient)."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    block = 8 * seq * d * d + 4 * seq * seq * d + 4 * seq * d * f
+    return layers * block + (2 * seq * d * v if last else 0)
 
 
 def stage_residual_elements(
@@ -146,7 +167,10 @@ def stage_residual_elements(
     if last:
         needed += [("x_final", 0), ("h", 0), ("logits", 0)]
     kept: set = set()
-    _resolve(kept, needed, deps, is_kept)
+    recomputed: set = set()
+    _resolve(kept, recomputed, needed, deps, is_kept)
+    ops = {("qkv", layer) if name in ("q", "k", "v") else (name, layer) for name, layer in recomputed}
+    flops = sum(_op_flops(name, d, f, seq, vocab) for name, _ in ops)
     device = host = stage_input = 0
     for name, _ in kept:
         if name == "stage_input":
@@ -161,7 +185,7 @@ def stage_residual_elements(
         host += stage_input
     else:
         device += stage_input
-    return ResidualCount(device=device, host=host, stage_input=stage_input)
+    return ResidualCount(device=device, host=host, stage_input=stage_input, recompute_flops=flops)
 
 
 def stage_residual_bytes(

@@ -32,7 +32,17 @@ class Costs:
         activation_bytes: bytes one stage-microbatch activation holds (for a stage of weight 1); when
             given, the memory timeline is also reported in bytes.
         stage_weights: relative size of every stage (multiplies times and activation bytes).
-        extra: optional ``extra(action) -> seconds`` added to an action (recompute, transfers, ...).
+        extra: optional ``extra(action) -> seconds`` added to an action (e.g. recompute in a backward).
+        activation_fn: optional ``activation_fn(stage, microbatch) -> bytes`` on device from the start
+            of F to the end of the freeing backward; overrides ``activation_bytes``.
+        offload_fn: optional ``offload_fn(stage, microbatch) -> bytes`` of that activation moved to
+            host after its F and brought back before its backward.
+        host_bandwidth: bytes per time unit of each rank's host link (needed with ``offload_fn``).
+
+    Transfers run on one copy channel per rank, in request order: the offload starts when F ends;
+    the prefetch starts when the rank starts the action just before the backward (so it overlaps
+    that action), after the offload. A backward waits for its prefetch: any transfer time that does
+    not overlap compute delays it, and the simulation charges it.
     """
 
     f: float = 1.0
@@ -43,6 +53,9 @@ class Costs:
     activation_bytes: float | None = None
     stage_weights: tuple[float, ...] | None = None
     extra: Callable[[Action], float] | None = dataclasses.field(default=None, compare=False)
+    activation_fn: Callable[[int, int], float] | None = dataclasses.field(default=None, compare=False)
+    offload_fn: Callable[[int, int], float] | None = dataclasses.field(default=None, compare=False)
+    host_bandwidth: float | None = None
 
     def __post_init__(self):
         for field in ("f", "i", "w", "comm"):
@@ -53,6 +66,19 @@ class Costs:
             raise JaxmemError(f"Costs.b must be a number >= 0 (or None for i + w), got {self.b!r}")
         if self.stage_weights is not None:
             object.__setattr__(self, "stage_weights", tuple(float(x) for x in self.stage_weights))
+        if self.offload_fn is not None and not (self.host_bandwidth and self.host_bandwidth > 0):
+            raise JaxmemError("Costs.offload_fn needs host_bandwidth > 0 (bytes per time unit)")
+
+    @property
+    def tracks_bytes(self) -> bool:
+        return self.activation_bytes is not None or self.activation_fn is not None
+
+    def activation_size(self, stage: int, microbatch: int, schedule: Schedule) -> float:
+        if self.activation_fn is not None:
+            return float(self.activation_fn(stage, microbatch))
+        if self.activation_bytes is None:
+            return 0.0
+        return self.activation_bytes * self.weight(stage, schedule)
 
     @property
     def full_backward(self) -> float:
@@ -89,7 +115,11 @@ class SimulationResult:
         timeline: per rank, the change points ``(time, live activations)`` of its stage-microbatch
             activations (alive from the start of F to the end of B, or of W when split).
         peak_inflight: per rank, the most activations it holds at once.
-        timeline_bytes / peak_activation_bytes: the same in bytes, when costs carry activation bytes.
+        timeline_bytes / peak_activation_bytes: the same in bytes, when costs carry activation bytes
+            (offloaded bytes leave the device between the end of their offload and the start of their
+            prefetch).
+        exposed_transfer: per rank, the time backwards waited for their prefetch.
+        transfer_busy: per rank, the time its host link was busy.
     """
 
     schedule: Schedule
@@ -102,6 +132,8 @@ class SimulationResult:
     peak_inflight: tuple[int, ...]
     timeline_bytes: tuple[tuple[tuple[float, float], ...], ...] | None = None
     peak_activation_bytes: tuple[float, ...] | None = None
+    exposed_transfer: tuple[float, ...] = ()
+    transfer_busy: tuple[float, ...] = ()
 
     def reuse_distance(self, stage: int, microbatch: int) -> float:
         """How long the activation of (stage, microbatch) waits between the end of its F and the
@@ -150,10 +182,24 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     ticks = lockstep_ticks(schedule)
     present = set(ticks)
     rank_of = schedule.stage_to_rank
-    rank_free = [0.0] * schedule.num_ranks
-    busy = [0.0] * schedule.num_ranks
+    num_ranks = schedule.num_ranks
+    rank_free = [0.0] * num_ranks
+    busy = [0.0] * num_ranks
+    channel_free = [0.0] * num_ranks
+    exposed = [0.0] * num_ranks
+    transfer_busy = [0.0] * num_ranks
     start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
+    offload_end: dict[tuple[int, int], float] = {}
+    prefetch: dict[tuple[int, int], tuple[float, float]] = {}
+    orders = [schedule.actions(r) for r in range(num_ranks)]
+    position = {a: i for r in range(num_ranks) for i, a in enumerate(orders[r])}
+
+    def transfer_seconds(stage: int, mb: int) -> float:
+        if costs.offload_fn is None:
+            return 0.0
+        return float(costs.offload_fn(stage, mb)) / costs.host_bandwidth
+
     # Lockstep order is a topological order that respects every rank's own order.
     for action in sorted(present, key=lambda a: (ticks[a], rank_of[a.stage])):
         rank = rank_of[action.stage]
@@ -161,11 +207,36 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
         for dep in dependencies(action, schedule, present):
             hop = costs.comm if rank_of[dep.stage] != rank else 0.0
             ready = max(ready, finish[dep] + hop)
+        key = (action.stage, action.microbatch)
+        if action.kind in (Kind.B, Kind.I) and key in prefetch:
+            waited = prefetch[key][1] - ready
+            if waited > 0:
+                exposed[rank] += waited
+                ready = prefetch[key][1]
         duration = costs.duration(action, schedule)
         start[action] = ready
         finish[action] = ready + duration
         rank_free[rank] = ready + duration
         busy[rank] += duration
+        # The prefetch for the next action is requested when this one starts (it overlaps this
+        # action), before this action's own offload, which is requested when it ends.
+        nxt_index = position[action] + 1
+        if nxt_index < len(orders[rank]):
+            nxt = orders[rank][nxt_index]
+            nkey = (nxt.stage, nxt.microbatch)
+            if nxt.kind in (Kind.B, Kind.I) and nkey in offload_end:
+                seconds = transfer_seconds(*nkey)
+                begin = max(start[action], channel_free[rank], offload_end[nkey])
+                prefetch[nkey] = (begin, begin + seconds)
+                channel_free[rank] = begin + seconds
+                transfer_busy[rank] += seconds
+        if action.kind is Kind.F:
+            seconds = transfer_seconds(*key)
+            if seconds > 0:
+                begin = max(finish[action], channel_free[rank])
+                offload_end[key] = begin + seconds
+                channel_free[rank] = begin + seconds
+                transfer_busy[rank] += seconds
     origin = min(start.values(), default=0.0)
     makespan = max(finish.values(), default=0.0) - origin
     total = schedule.num_ranks * makespan
@@ -176,12 +247,15 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
         events: list[tuple[float, int, float]] = []  # (time, +1/-1, bytes)
         for action in schedule.actions(rank):
             if action.kind is Kind.F:
-                size = 0.0
-                if costs.activation_bytes is not None:
-                    size = costs.activation_bytes * costs.weight(action.stage, schedule)
+                key = (action.stage, action.microbatch)
+                size = costs.activation_size(action.stage, action.microbatch, schedule)
                 events.append((start[action], +1, size))
                 free = Action(action.stage, _freeing_kind(schedule, action, present), action.microbatch)
                 events.append((finish[free], -1, -size))
+                if key in prefetch:
+                    moved = min(float(costs.offload_fn(*key)), size)
+                    events.append((offload_end[key], 0, -moved))
+                    events.append((prefetch[key][0], 0, moved))
         events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
         live, live_bytes, peak, peak_bytes = 0, 0.0, 0, 0.0
         points, points_bytes = [(0.0, 0)], [(0.0, 0.0)]
@@ -196,7 +270,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
         peaks.append(peak)
         timelines_bytes.append(tuple(points_bytes))
         peaks_bytes.append(peak_bytes)
-    has_bytes = costs.activation_bytes is not None
+    has_bytes = costs.tracks_bytes
     return SimulationResult(
         schedule=schedule,
         makespan=makespan,
@@ -208,6 +282,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
         peak_inflight=tuple(peaks),
         timeline_bytes=tuple(timelines_bytes) if has_bytes else None,
         peak_activation_bytes=tuple(peaks_bytes) if has_bytes else None,
+        exposed_transfer=tuple(exposed),
+        transfer_busy=tuple(transfer_busy),
     )
 
 
