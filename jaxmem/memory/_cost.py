@@ -160,8 +160,9 @@ def simulate_step(
     return simulate(schedule, costs)
 
 
-def state_transfer_seconds(config, schedule: Schedule, resolved, layer_counts, hardware: Hardware,
-                           optimizer_moments: int = 2) -> float:
+def state_transfer_seconds(
+    config, schedule: Schedule, resolved, layer_counts, hardware: Hardware, optimizer_moments: int = 2
+) -> float:
     """Per step and rank, host-link time for offloaded weights (fetched, written back after the update)
     and optimizer state (read and written by the update). Charged in full, as if nothing overlapped
     it (an upper bound; the Chronos-Offload planner places these transfers)."""

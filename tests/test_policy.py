@@ -1,0 +1,192 @@
+"""Memory policies: specs, validation, lowering, gradients under every preset, and structural offload."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmem.config import TrainConfig
+from jaxmem.models import get_config
+from jaxmem.pipeline import Pipeline, make_mesh
+from jaxmem.policy import ALL_TAGS, PRESETS, Policy, PolicyError, StagePolicy, from_spec, microbatch_classes
+from jaxmem.schedule import generate
+from jaxmem.train import Trainer
+from jaxmem.verify import verify
+
+SCHEDULES = [("gpipe", 2, 2, None), ("1f1b", 2, 4, None), ("interleaved-1f1b", 2, 2, 2)]
+GRID = [(s, p) for s in SCHEDULES for p in PRESETS]
+
+
+@pytest.mark.parametrize("sched,preset", GRID, ids=[f"{s[0]}-{p}" for s, p in GRID])
+def test_every_preset_gives_plain_grad_gradients(sched, preset):
+    name, p, m, v = sched
+    result = verify(generate(name, p, m, v), policy=preset)
+    assert result["ok"], result
+
+
+def test_per_stage_and_per_microbatch_policy_gradients():
+    spec = {
+        "base": "selective",
+        "stage": {"0": {"base": "recompute-all"}, "2": {"microbatch": {"warmup": {"mlp_hidden": "offload"}}}},
+        "microbatch": {"mb3": "recompute-all"},
+    }
+    schedule = generate("1f1b", 4, 4)
+    resolved = from_spec(spec).resolve(schedule)
+    assert len(resolved.variants) >= 3
+    assert resolved.stage_policy(0, 1) == PRESETS["recompute-all"]
+    assert resolved.stage_policy(2, 0).offload == {"mlp_hidden"}
+    assert resolved.stage_policy(1, 3) == PRESETS["recompute-all"]
+    assert verify(schedule, policy=spec)["ok"]
+
+
+# ---------------------------------------------------------------- specs and errors
+def test_policies_are_hashable_values():
+    assert from_spec("selective") == from_spec("SELECTIVE")
+    assert hash(from_spec({"base": "save-all", "stage": {"1": "recompute-all"}})) == hash(
+        from_spec({"base": "save-all", "stage": {"1": "recompute-all"}})
+    )
+    assert StagePolicy().decision("attn_probs") == "save"
+    assert PRESETS["selective"].decision("attn_probs") == "recompute"
+
+
+def test_toml_policy_file(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('base = "save-all"\nattn_probs = "offload"\n[stage.1]\nbase = "recompute-all"\n')
+    policy = from_spec(str(path))
+    assert policy.default.offload == {"attn_probs"} and policy.stages[0][0] == 1
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ({"attn_prob": "save"}, "unknown keys"),
+        ({"tags": {"attn_prob": "save"}}, "unknown activation tag 'attn_prob'; valid tags: attn_in"),
+        ("save-some", "unknown policy preset 'save-some'; presets: save-all"),
+        ({"tags": {"q": "keep"}}, "unknown decision 'keep'; use save, recompute or offload"),
+    ],
+)
+def test_bad_specs(spec, message):
+    with pytest.raises(PolicyError, match=message):
+        from_spec(spec)
+
+
+def test_unknown_stage_and_microbatch_class():
+    schedule = generate("1f1b", 2, 4)
+    with pytest.raises(PolicyError, match=r"names stage 5; the schedule has stages 0..1"):
+        from_spec({"stage": {"5": "recompute-all"}}).resolve(schedule)
+    with pytest.raises(PolicyError, match=r"microbatch class 'cooldown'.*valid classes: warmup, steady, mb0..mb3"):
+        from_spec({"microbatch": {"cooldown": "recompute-all"}}).resolve(schedule)
+    gpipe = generate("gpipe", 2, 4)
+    assert "steady" not in microbatch_classes(gpipe)
+    with pytest.raises(PolicyError, match="valid classes: warmup, mb0"):
+        from_spec({"microbatch": {"steady": "recompute-all"}}).resolve(gpipe)
+
+
+def test_weight_offload_must_agree_across_ranks():
+    schedule = generate("zbv", 2, 4)  # rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    with pytest.raises(PolicyError, match=r"offload_weights is set for stages \[0\] .* local position 0"):
+        from_spec({"stage": {"0": "offload-weights"}}).resolve(schedule)
+    from_spec({"stage": {"0": "offload-weights", "1": "offload-weights"}}).resolve(schedule)
+
+
+def test_checkpoint_policy_lowering_saves_exactly_the_named_values():
+    sp = StagePolicy(save=frozenset({"mlp_hidden"}))
+    policy = sp.checkpoint_policy()
+    assert policy is not None
+    config = get_config("tiny", n_layers=3, max_seq_len=16)
+    pipe = Pipeline(config, generate("1f1b", 3, 3), make_mesh(1, 3), policy=sp)
+    plans = pipe.residual_plans(6, 16)
+    mid = next(p for c, p in plans.items() if not c.first and not c.last)
+    shapes = [leaf.shape for leaf in mid.stashed_leaves()]
+    # The stage input and one mlp_hidden per layer: nothing else is kept.
+    assert shapes.count((2, 16, config.d_ff)) == 1 and len(shapes) == 2
+
+
+# ---------------------------------------------------------------- structural offload
+def _host_leaf_names(plan):
+    """For every host-typed residual of a plan, the checkpoint_name tag its value came from."""
+    jaxpr = plan.closed.jaxpr
+    producer = {}
+    for eqn in jaxpr.eqns:
+        for out in eqn.outvars:
+            producer[out] = eqn
+    names = []
+    for var in jaxpr.outvars[1:]:
+        if "host" not in str(getattr(var.aval, "memory_space", "")).lower():
+            continue
+        eqn = producer[var]
+        while eqn.primitive.name != "name":
+            eqn = producer[eqn.invars[0]]
+        names.append(eqn.params["name"])
+    return names
+
+
+def test_offloaded_tag_is_on_host_and_nothing_else():
+    config = get_config("tiny", n_layers=4, max_seq_len=16)
+    spec = {"base": "save-all", "mlp_hidden": "offload"}
+    pipe = Pipeline(config, generate("1f1b", 2, 2), make_mesh(1, 2), policy=spec)
+    for c, plan in pipe.residual_plans(4, 16).items():
+        names = _host_leaf_names(plan)
+        assert names == ["mlp_hidden"] * c.layers, (c, names)
+        host = [leaf for leaf in plan.stashed_leaves() if leaf.space == "host"]
+        assert len(host) == c.layers and all(leaf.memory_space == "host" for leaf in host)
+
+
+def _scan_carry_spaces(pipe, batch, seq):
+    """Memory spaces of the executor's scan carry: (message buffers, stash buffers, grads)."""
+    import jax.numpy as jnp
+
+    params = pipe.abstract_params()
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    jaxpr = jax.make_jaxpr(pipe.grad_fn(batch, seq))(params, tokens, tokens)
+
+    def find_scan(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "scan":
+                return eqn
+            for value in eqn.params.values():
+                inner = value if hasattr(value, "eqns") else getattr(value, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    found = find_scan(inner)
+                    if found is not None:
+                        return found
+        return None
+
+    scan = find_scan(jaxpr.jaxpr)
+    num_consts = scan.params["num_consts"]
+    carry = scan.invars[num_consts : num_consts + scan.params["num_carry"]]
+    return ["host" if "host" in str(getattr(v.aval, "memory_space", "")).lower() else "device" for v in carry]
+
+
+def test_offload_stash_puts_exactly_the_stash_buffers_on_host():
+    config = get_config("tiny", n_layers=2, max_seq_len=16)
+    save_all = Pipeline(config, generate("1f1b", 2, 2), make_mesh(1, 2))
+    offload = Pipeline(config, generate("1f1b", 2, 2), make_mesh(1, 2), policy="offload-stash")
+    tick, plans = offload.program(4, 16)
+    n_stash = sum(len({k for c in g for k in plans[tick.classes[c]].stash_elems}) for g in tick.stash_groups)
+    spaces = _scan_carry_spaces(offload, 4, 16)
+    # carry = act buffer, grad buffer, stash buffers..., grads..., shared grads..., loss
+    assert spaces[:2] == ["device", "device"]
+    assert spaces[2 : 2 + n_stash] == ["host"] * n_stash
+    assert set(spaces[2 + n_stash :]) == {"device"}
+    assert "host" not in _scan_carry_spaces(save_all, 4, 16)
+
+
+def test_offload_weights_keeps_stage_weights_on_host():
+    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, policy="offload-weights"))
+    state = trainer.init_state()
+    kinds = {leaf.sharding.memory_kind for tree in state.params.stages for leaf in jax.tree.leaves(tree)}
+    assert kinds == {"pinned_host"}
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params.shared)} == {"device"}
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim} == {"device"}
+    state, loss, _ = trainer.step(state)
+    state, loss, _ = trainer.step(state)
+    assert np.isfinite(float(loss))
+    kinds = {leaf.sharding.memory_kind for tree in state.params.stages for leaf in jax.tree.leaves(tree)}
+    assert kinds == {"pinned_host"}
+
+
+def test_all_tags_match_the_model():
+    from jaxmem.models.gpt import HEAD_TAGS, TAGS
+
+    assert TAGS + HEAD_TAGS == ALL_TAGS
+    assert isinstance(Policy(), Policy)
