@@ -30,7 +30,12 @@ class TrainConfig:
         seed: parameter initialisation and data order.
         data: ``text`` (embedded corpus) or ``synthetic``.
         layers_per_stage: explicit layers per stage (balanced when None).
-        policy: memory policy spec (see ``jaxmem.policy``); None = save every residual.
+        policy: memory policy spec (see ``jaxmem.policy``); None = save-all.
+        plan: ``"auto"`` lets the planner choose stages, data-parallel, schedule, microbatches and
+            policy for ``devices`` under ``budget``.
+        budget: device bytes per device for ``plan="auto"``.
+        hardware: hardware profile for the planner (``auto``: measured here on CPU, h100 on GPU,
+            tpu-v5p on TPU).
     """
 
     model: str = "tiny"
@@ -49,6 +54,9 @@ class TrainConfig:
     data: str = "text"
     layers_per_stage: tuple[int, ...] | None = None
     policy: object = None
+    plan: str | None = None
+    budget: float | None = None
+    hardware: str = "auto"
 
     def __post_init__(self):
         for field in ("stages", "microbatches", "data_parallel", "steps", "seq_len", "batch_size"):
@@ -57,6 +65,10 @@ class TrainConfig:
                 raise JaxmemError(f"{field.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.lr <= 0:
             raise JaxmemError(f"lr must be > 0, got {self.lr}")
+        if self.plan not in (None, "auto"):
+            raise JaxmemError(f"--plan takes 'auto', got {self.plan!r}")
+        if self.plan == "auto" and not self.budget:
+            raise JaxmemError("--plan auto needs --budget (device memory per device, e.g. 12MiB or 24GiB)")
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
 

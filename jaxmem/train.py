@@ -145,11 +145,58 @@ class Trainer:
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, data=data), loss, batch
 
 
+def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[TrainConfig, dict]:
+    """Replace the pipeline settings of a ``plan="auto"`` config with the planner's pick."""
+    from jaxmem.memory import get_hardware
+    from jaxmem.policy._planner import PlanError, plan
+
+    platform = jax.devices()[0].platform
+    name = config.hardware if config.hardware != "auto" else {"gpu": "h100", "tpu": "tpu-v5p"}.get(platform, "cpu")
+    devices = config.devices or config.data_parallel * config.stages
+    result = plan(
+        config.model_config(),
+        devices=devices,
+        budget_bytes=config.budget,
+        hardware=get_hardware(name),
+        batch=config.batch_size,
+        seq=config.seq_len,
+        model_name=config.model,
+    )
+    for line in result.explain(top=3):
+        log(line)
+    if result.best is None:
+        raise PlanError(
+            f"nothing fits a budget of {config.budget / 2**20:,.1f} MiB per device on {devices} devices; the "
+            f"smallest plan needs {result.smallest_budget / 2**20:,.1f} MiB (pass --budget "
+            f"{result.smallest_budget / 2**20:,.1f}MiB or more, or more devices)",
+            result.smallest_budget,
+        )
+    best = result.best
+    planned = dataclasses.replace(
+        config,
+        plan=None,
+        schedule=best.schedule,
+        schedule_csv=None,
+        stages=best.pipe,
+        data_parallel=best.data,
+        microbatches=best.microbatches,
+        virtual=best.virtual if best.schedule == "interleaved-1f1b" else None,
+        policy=best.policy,
+        devices=devices,
+    )
+    return planned, result.to_json()
+
+
 def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | None = None) -> dict:
     """Run ``config.steps`` steps; returns the summary the CLI prints with ``--json``."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    plan_record = None
+    if config.plan == "auto":
+        config, plan_record = apply_plan(
+            config, log=(lambda line: Console(stderr=True).print(line)) if progress else (lambda line: None)
+        )
     trainer = Trainer(config)
     state = trainer.init_state()
     console = Console(stderr=True)
@@ -207,4 +254,5 @@ def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | Non
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "policy": None if config.policy is None else str(config.policy),
+        "plan": plan_record and plan_record["best"],
     }

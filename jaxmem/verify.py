@@ -23,9 +23,10 @@ ATOL = 1e-6
 
 
 def verification_model(num_stages: int, base: str | GPTConfig = "tiny") -> GPTConfig:
-    """A small model whose layers split evenly over ``num_stages`` (8 layers when they divide)."""
+    """A small model whose layers split evenly over ``num_stages``: two layers per stage up to 3
+    stages (so multi-layer stages are exercised), one per stage beyond (to keep compiles short)."""
     config = get_config(base)
-    layers = 8 if 8 % num_stages == 0 else num_stages
+    layers = 2 * num_stages if num_stages <= 3 else num_stages
     return dataclasses.replace(config, n_layers=layers, max_seq_len=16)
 
 

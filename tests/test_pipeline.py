@@ -72,8 +72,8 @@ def test_stash_slots_come_from_the_schedule_peak_not_m():
     for m in (4, 32):
         schedule = generate("1f1b", 4, m)
         cells = {(s, mb): StageClass(s == 0, s == 3, 1) for s in range(4) for mb in range(m)}
-        tick = build_tick_program(schedule, cells)
-        assert tick.stash_slots == (4,)
+        tick = build_tick_program(schedule, cells)  # one element per stage-microbatch
+        assert tick.arena_elems == (4,) and tick.rank_arena_elems == ((4, 3, 2, 1),)
         assert tick.act_slots == 1
 
 
@@ -136,4 +136,5 @@ def test_unknown_model_preset():
 
 def test_verification_model_splits_evenly():
     assert verification_model(8).n_layers == 8
-    assert verification_model(3).n_layers == 3
+    assert verification_model(3).n_layers == 6
+    assert verification_model(2).n_layers == 4

@@ -57,3 +57,30 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise JaxmemError(f"{flag} takes comma-separated integers like 3,3,2; got {text!r}") from None
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str, flag: str = "--budget") -> float:
+    """'24GiB', '512 MiB', '8e9', '1.5GB' -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise JaxmemError(f"{flag} takes a size like 24GiB, 512MiB, 8e9 or 1.5GB; got {text!r}")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise JaxmemError(f"{flag} must be > 0, got {text!r}")
+    return value

@@ -46,6 +46,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel", type=int, help="data-parallel replicas D (default 1)")
     g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x P)")
     g.add_argument("--policy", help="memory policy: a preset name or a TOML file (see `jaxmem memory`)")
+    g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
+    g.add_argument("--budget", help="device memory per device for --plan auto, e.g. 12MiB, 24GiB")
+    g.add_argument("--hardware", help="planner hardware profile (default: measured here on CPU)")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, help="optimizer steps (default 300)")
     g.add_argument("--lr", type=float, help="Adam learning rate (default 3e-3)")
@@ -87,6 +90,10 @@ def config_from_args(args) -> object:
         flag_value = getattr(args, name, None)
         if flag_value is not None:
             values[name] = flag_value
+    if isinstance(values.get("budget"), str):
+        from jaxmem.cli._common import parse_bytes
+
+        values["budget"] = parse_bytes(values["budget"])
     if isinstance(values.get("layers_per_stage"), str):
         values["layers_per_stage"] = parse_int_list(values["layers_per_stage"], "--layers-per-stage")
     if values.get("schedule_csv") and "schedule" not in values:
@@ -97,6 +104,10 @@ def config_from_args(args) -> object:
 def run(args) -> int:
     config = config_from_args(args)
     setup_devices(config.devices or config.data_parallel * config.stages)
+    if config.plan == "auto" and not config.devices:
+        import dataclasses
+
+        config = dataclasses.replace(config, devices=config.data_parallel * config.stages)
     maybe_initialize_distributed()
     from jaxmem.train import train
 

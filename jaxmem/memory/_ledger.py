@@ -149,29 +149,20 @@ def predict(
         dev, host = stage_residual_bytes(
             config, layers=c.layers, first=c.first, last=c.last, microbatch=mb, seq=seq, policy=sp
         )
-        class_sizes[c] = {k: v for k, v in ((("float32", "device"), dev), (("float32", "host"), host)) if v}
+        dtype = np.dtype(config.dtype).name
+        class_sizes[c] = {k: v // itemsize for k, v in (((dtype, "device"), dev), ((dtype, "host"), host)) if v}
         full, _ = stage_residual_bytes(
             config, layers=c.layers, first=c.first, last=c.last, microbatch=mb, seq=seq, policy=PRESETS["save-all"]
         )
         full_volume = max(full_volume, full)
         recomputed = max(recomputed, full - dev - host)
     tick = build_tick_program(schedule, cells, class_sizes)
-    stash_dev = stash_host = slot_out = 0.0
-    for group, slots in zip(tick.stash_groups, tick.stash_slots):
-        keys = {k for c in group for k in class_sizes[tick.classes[c]]}
-        for key in keys:
-            width = max(class_sizes[tick.classes[c]].get(key, 0) for c in group)
-            slot_out += width
-            if key[1] == "host":
-                stash_host += max(slots, 1) * width
-            else:
-                stash_dev += max(slots, 1) * width
+    stash_dev, stash_host, live = _arena_bytes(tick)
+    slot_out = sum(w * np.dtype(k[0]).itemsize for k, w in zip(tick.stash_keys, tick.window))
     message = mb * seq * config.d_model * itemsize
     messages = (tick.act_slots + 1 + tick.grad_slots + 1) * message
     inputs = 2 * (batch // data_parallel) * seq * 4
     transient = messages + inputs + slot_out + BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
-    class_total = [sum(class_sizes[c].values()) for c in tick.classes]
-
     ranks = []
     for r in range(schedule.num_ranks):
         ranks.append(
@@ -184,10 +175,25 @@ def predict(
                     "stash": Bytes(stash_dev, stash_host),
                     "transient": Bytes(transient, 0),
                 },
-                live_stash_bytes=tick.live_stash_peak(r, class_total),
+                live_stash_bytes=live[r],
             )
         )
     return Ledger("predicted", tuple(ranks), _meta(config, schedule, resolved, batch, seq, data_parallel, mb))
+
+
+def _arena_bytes(tick) -> tuple[float, float, list[float]]:
+    """(device, host) bytes of the stash arenas every rank allocates, and each rank's own need."""
+    device = host = 0.0
+    live = [0.0] * len(tick.rank_arena_elems[0]) if tick.rank_arena_elems else []
+    for key, length, per_rank in zip(tick.stash_keys, tick.arena_elems, tick.rank_arena_elems):
+        itemsize = np.dtype(key[0]).itemsize
+        if key[1] == "host":
+            host += length * itemsize
+        else:
+            device += length * itemsize
+        for r, n in enumerate(per_rank):
+            live[r] += n * itemsize
+    return device, host, live
 
 
 def _meta(config, schedule, resolved, batch, seq, data_parallel, mb) -> dict:
@@ -236,15 +242,7 @@ def measure(trainer, state=None, compiled=None) -> Ledger:
     params = _array_bytes(state.params)
     optimizer = _array_bytes(state.opt_state)
     grads = Bytes(sum(b for b in (params.device, params.host)), 0)
-    stash_dev = stash_host = 0.0
-    for group, slots in zip(tick.stash_groups, tick.stash_slots):
-        keys = {k for c in group for k in plans[tick.classes[c]].stash_elems}
-        for key in keys:
-            width = max(plans[tick.classes[c]].stash_bytes_by_buffer().get(key, 0) for c in group)
-            if key[1] == "host":
-                stash_host += max(slots, 1) * width
-            else:
-                stash_dev += max(slots, 1) * width
+    stash_dev, stash_host, live = _arena_bytes(tick)
     total_device = (
         analysis.argument_size_in_bytes
         + analysis.temp_size_in_bytes
@@ -262,7 +260,6 @@ def measure(trainer, state=None, compiled=None) -> Ledger:
     cpu_host_counted = (stash_host + params.host + optimizer.host) if platform == "cpu" else 0.0
     accounted = params.device + optimizer.device + grads.device + stash_dev + cpu_host_counted
     transient = total_device - accounted
-    class_total = [plans[c].stash_bytes() for c in tick.classes]
     ranks = tuple(
         RankLedger(
             rank=r,
@@ -273,7 +270,7 @@ def measure(trainer, state=None, compiled=None) -> Ledger:
                 "stash": Bytes(stash_dev, stash_host),
                 "transient": Bytes(transient, 0),
             },
-            live_stash_bytes=tick.live_stash_peak(r, class_total),
+            live_stash_bytes=live[r],
         )
         for r in range(schedule.num_ranks)
     )

@@ -239,8 +239,7 @@ class Pipeline:
         shape = _Shape(batch, seq)
         if shape not in self._programs:
             plans = self.residual_plans(batch, seq)
-            sizes = {c: p.stash_bytes_by_buffer() for c, p in plans.items()}
-            tick = build_tick_program(self.schedule, self.cell_classes, sizes)
+            tick = build_tick_program(self.schedule, self.cell_classes, {c: p.stash_elems for c, p in plans.items()})
             self._programs[shape] = (tick, plans)
         return self._programs[shape]
 
@@ -265,14 +264,8 @@ class Pipeline:
         d_model, dtype = self.config.d_model, jnp.dtype(self.config.dtype)
         classes, pipe_size = tick.classes, self.pipe
         col = {name: i for i, name in enumerate(COLUMNS)}
-        # Per stash group, one flat buffer per (dtype, memory space), wide enough for its widest class.
-        group_buffers = []
-        for group in tick.stash_groups:
-            keys = sorted({k for c in group for k in abstract_plans[classes[c]].stash_elems})
-            group_buffers.append(
-                {k: max(abstract_plans[classes[c]].stash_elems.get(k, 0) for c in group) for k in keys}
-            )
-        group_of = [tick.group_of(c) for c in range(len(classes))]
+        keys, windows = tick.stash_keys, tick.window
+        stash_cols = [tick.stash_column(ki) for ki in range(len(keys))]
         table = jnp.asarray(tick.table)
         weights_on_host = self.weights_on_host
 
@@ -301,33 +294,52 @@ class Pipeline:
                 for c in classes
             ]
 
-            def read_slot(stash, slot):
-                return tuple(
-                    {k: jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for k, b in g.items()} for g in stash
+            def zeros_window(key, n):
+                z = _vary(jnp.zeros((n,), jnp.dtype(key[0])))
+                return jax.device_put(z, jax.memory.Space.Host) if key[1] == "host" else z
+
+            def no_write():
+                return (
+                    tuple(zeros_window(k, w) for k, w in zip(keys, windows)),
+                    tuple(_vary(jnp.zeros((), jnp.int32)) for _ in keys),
                 )
 
-            # Branches read the stash slot themselves and return what the slot should hold after the
-            # tick (new residuals for F, the unchanged slot otherwise): the buffers enter the switch
-            # read-only, so no branch copies them, and only one slot-sized value leaves it.
-            def idle(stash, slot, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
-                return x_like, read_slot(stash, slot), grads, shared_grads, loss_sum
+            # The arenas enter the switch read-only (so no branch copies them). A forward returns its
+            # packed residuals padded to the arena's window, with their true length; the write happens
+            # outside the switch as a scatter that drops everything past that length, so a smaller
+            # item never clobbers its neighbours and the arena needs no padding.
+            def idle(arenas, offs, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
+                return (x_like, *no_write(), grads, shared_grads, loss_sum)
 
             def make_branch(class_index: int, kind: Kind):
-                c, plan, group = classes[class_index], plans[class_index], group_of[class_index]
+                c, plan = classes[class_index], plans[class_index]
 
-                def branch(stash, slot, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
+                def branch(arenas, offs, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
                     params = device_params(c.local)
-                    stash_in = read_slot(stash, slot)
                     if kind is Kind.F:
-                        out, packed = plan.forward(params, shared, x_in, tok, tgt, widths=group_buffers[group])
-                        stash_out = list(stash_in)
-                        stash_out[group] = {
-                            key: packed[key] if key in packed else stash_in[group][key] for key in group_buffers[group]
-                        }
-                        if c.last:
-                            return x_like, tuple(stash_out), grads, shared_grads, loss_sum + _vary(out)
-                        return _vary(out), tuple(stash_out), grads, shared_grads, loss_sum
-                    pullback = plan.pullback(params, shared, x_like, tok, tgt, stash_in[group])
+                        out, packed = plan.forward(params, shared, x_in, tok, tgt)
+                        windows_out, lengths = [], []
+                        for key, w in zip(keys, windows):
+                            vec = packed.get(key)
+                            n = 0 if vec is None else vec.shape[0]
+                            zeros = jnp.zeros((w - n,), jnp.dtype(key[0]))
+                            if key[1] == "host":
+                                zeros = jax.device_put(zeros, jax.memory.Space.Host)
+                            windows_out.append(
+                                _vary(zeros)
+                                if vec is None
+                                else (vec if n == w else jnp.concatenate([vec, _vary(zeros)]))
+                            )
+                            lengths.append(_vary(jnp.asarray(n, jnp.int32)))
+                        loss = loss_sum + _vary(out) if c.last else loss_sum
+                        message = x_like if c.last else _vary(out)
+                        return (message, tuple(windows_out), tuple(lengths), grads, shared_grads, loss)
+                    current = {
+                        key: jax.lax.dynamic_slice_in_dim(arena, off, plan.stash_elems[key])
+                        for key, arena, off in zip(keys, arenas, offs)
+                        if key in plan.stash_elems
+                    }
+                    pullback = plan.pullback(params, shared, x_like, tok, tgt, current)
                     ct = _vary(jnp.full(plan.out_aval.shape, 1.0 / M, plan.out_aval.dtype)) if c.last else g_in
                     d_params, d_shared, d_x = pullback(ct)
                     message = x_like if c.first or kind is Kind.W else _vary(d_x)
@@ -336,27 +348,31 @@ class Pipeline:
                         grads[c.local] = jax.tree.map(lambda acc, d: acc + _vary(d), grads[c.local], d_params)
                         grads = tuple(grads)
                         shared_grads = jax.tree.map(lambda acc, d: acc + _vary(d), shared_grads, d_shared)
-                    return message, stash_in, grads, shared_grads, loss_sum
+                    return (message, *no_write(), grads, shared_grads, loss_sum)
 
                 return branch
 
             branches = [idle] + [make_branch(ci, kind) for ci, kind in tick.branches]
 
             def tick_step(carry, row):
-                act_buf, grad_buf, stash, grads, shared_grads, loss_sum = carry
+                act_buf, grad_buf, arenas, grads, shared_grads, loss_sum = carry
                 m = row[col["microbatch"]]
                 tok = jax.lax.dynamic_index_in_dim(tokens, m, 0, keepdims=False)
                 tgt = jax.lax.dynamic_index_in_dim(targets, m, 0, keepdims=False)
                 x_in = jax.lax.dynamic_index_in_dim(act_buf, row[col["act_in"]], 0, keepdims=False)
                 g_in = jax.lax.dynamic_index_in_dim(grad_buf, row[col["grad_in"]], 0, keepdims=False)
-                slot = row[col["stash"]]
-                message, stash_out, grads, shared_grads, loss_sum = jax.lax.switch(
-                    row[col["branch"]], branches, stash, slot, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt
+                offs = tuple(row[c] for c in stash_cols)
+                message, windows_out, lengths, grads, shared_grads, loss_sum = jax.lax.switch(
+                    row[col["branch"]], branches, arenas, offs, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt
                 )
-                stash = tuple(
-                    {k: jax.lax.dynamic_update_index_in_dim(b, stash_out[gi][k], slot, 0) for k, b in g.items()}
-                    for gi, g in enumerate(stash)
-                )
+                new_arenas = []
+                for arena, values, off, length in zip(arenas, windows_out, offs, lengths):
+                    lanes = jnp.arange(values.shape[0], dtype=jnp.int32)
+                    index = jnp.where(lanes < length, off + lanes, arena.shape[0])  # past the end: dropped
+                    new_arenas.append(
+                        arena.at[index].set(values, mode="drop", indices_are_sorted=True, unique_indices=True)
+                    )
+                arenas = tuple(new_arenas)
                 act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, message, row[col["local_act"]], 0)
                 grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, message, row[col["local_grad"]], 0)
                 for k, offset in enumerate(tick.offsets):
@@ -366,20 +382,17 @@ class Pipeline:
                     act_col, grad_col = tick.recv_columns(k)
                     act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, incoming, row[act_col], 0)
                     grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, incoming, row[grad_col], 0)
-                return (act_buf, grad_buf, stash, grads, shared_grads, loss_sum), None
+                return (act_buf, grad_buf, arenas, grads, shared_grads, loss_sum), None
 
-            def stash_buffer(slots, key, width):
+            def arena_buffer(key, length):
                 dtype_name, space = key
-                buf = _vary(jnp.zeros((max(slots, 1), width), jnp.dtype(dtype_name)))
+                buf = _vary(jnp.zeros((length,), jnp.dtype(dtype_name)))
                 return jax.device_put(buf, jax.memory.Space.Host) if space == "host" else buf
 
             carry = (
                 _vary(jnp.zeros((tick.act_slots + 1, mb, shape.seq, d_model), dtype)),
                 _vary(jnp.zeros((tick.grad_slots + 1, mb, shape.seq, d_model), dtype)),
-                tuple(
-                    {k: stash_buffer(slots, k, w) for k, w in widths.items()}
-                    for slots, widths in zip(tick.stash_slots, group_buffers)
-                ),
+                tuple(arena_buffer(k, n) for k, n in zip(keys, tick.arena_elems)),
                 tuple(jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), t) for t in stage_params),
                 jax.tree.map(jnp.zeros_like, shared),
                 zero_loss,

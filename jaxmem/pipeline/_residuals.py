@@ -83,9 +83,8 @@ class ResidualPlan:
     def stashed_leaves(self) -> list[StashedLeaf]:
         return list(dict.fromkeys(src[1] for src in self.sources if src[0] == "stash"))
 
-    def forward(self, params, shared, x, tokens, targets, widths: dict | None = None):
-        """Run the stage: returns ``(out, packed)``, packed = {(dtype, space): flat vector}, each vector
-        zero-padded to ``widths[key]`` when given (in the same concatenation, so no extra copy)."""
+    def forward(self, params, shared, x, tokens, targets):
+        """Run the stage: returns ``(out, packed)``, packed = {(dtype, space): flat vector}."""
         flat = jax.tree.leaves(params) + jax.tree.leaves(shared) + [x, tokens, targets]
         outs = jaxpr_as_fun(self.closed)(*flat)
         out, residuals = outs[0], outs[1:]
@@ -98,15 +97,7 @@ class ResidualPlan:
                 if leaf.space == "host" and leaf.memory_space != "host":
                     value = jax.device_put(value, jax.memory.Space.Host)
                 pieces[leaf.key].append(jnp.ravel(value))
-        packed = {}
-        for key, parts in pieces.items():
-            pad = (widths or {}).get(key, 0) - self.stash_elems[key]
-            if pad > 0:
-                zeros = jnp.zeros((pad,), parts[0].dtype)
-                if key[1] == "host":
-                    zeros = jax.device_put(zeros, jax.memory.Space.Host)
-                parts = parts + [zeros]
-            packed[key] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        packed = {key: jnp.concatenate(parts) if len(parts) > 1 else parts[0] for key, parts in pieces.items()}
         return out, packed
 
     def pullback(self, params, shared, x_like, tokens, targets, packed) -> Callable:

@@ -2,8 +2,13 @@
 
 Every rank runs one action per tick (or idles); results move between ticks. For every tick and rank
 the table says which branch to run, on which local stage and microbatch, which buffer slots to read
-and write, and on which ppermute offset to send the output. Buffer slots are assigned by interval
+and write, and on which ppermute offset to send the output. Message slots are assigned by interval
 colouring of the lifetimes the lockstep timing gives, so their number is the schedule's peak, not M.
+
+Residuals live in one flat arena per (dtype, memory space). Every stashed (stage, microbatch) gets an
+offset in its rank's arena, chosen per rank (largest items first, lowest offset whose range is free
+for the item's lifetime), so stage-microbatches of different sizes -- a recomputed cell, the head's
+larger residuals -- pack together. The arena every rank allocates is the largest any rank needs.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ COLUMNS = (
     "microbatch",
     "act_in",  # activation slot an F reads (non-first stages)
     "grad_in",  # gradient slot a B/I/W reads (non-last stages)
-    "stash",  # stash slot an F writes and its B/I/W read (slot within its class's buffer)
     "send",  # ppermute offset index to send the output on; len(offsets) = none
     "local_act",  # activation slot to write the output into on this rank (V-shape turn), else trash
     "local_grad",  # gradient slot to write the output into on this rank, else trash
@@ -63,12 +67,16 @@ class TickProgram:
         cell_class: class index of every (stage, microbatch).
         local_stage: index of every stage among its rank's stages.
         branches: ``(class index, kind)`` for every non-idle branch.
-        table: ``[P, num_ticks, len(COLUMNS) + 2 * len(offsets)]`` int32; the last columns are, per
-            offset, the activation slot and the gradient slot an incoming message is written to.
+        table: ``[P, num_ticks, len(COLUMNS) + 2 * len(offsets) + len(stash_keys)]`` int32: the
+            named columns; per ppermute offset, the activation slot and the gradient slot an incoming
+            message is written to; per stash arena, the offset the action's residuals live at.
         act_slots / grad_slots: live slots of the message buffers (index ``act_slots`` is the trash).
-        stash_groups: classes that share one stash buffer (each group: a tuple of class indices).
-        stash_slots: per group, slots of its stash buffer.
-        stash_live: per class and rank, the peak number of stashed items (what the rank really needs).
+        stash_keys: the arenas, one per ``(dtype, memory space)``.
+        class_elems: per class, elements one stage-microbatch stashes in each arena.
+        window: per arena, the widest class (one window-sized value leaves the executor's switch).
+        arena_elems: per arena, the length every rank allocates (the largest rank's need).
+        rank_arena_elems: per arena and rank, what that rank's own items need.
+        stash_live: per class and rank, the peak number of stashed items.
     """
 
     schedule: Schedule
@@ -81,29 +89,18 @@ class TickProgram:
     table: np.ndarray = dataclasses.field(repr=False, compare=False)
     act_slots: int
     grad_slots: int
-    stash_groups: tuple[tuple[int, ...], ...]
-    stash_slots: tuple[int, ...]
+    stash_keys: tuple[tuple[str, str], ...]
+    class_elems: tuple[dict, ...]
+    window: tuple[int, ...]
+    arena_elems: tuple[int, ...]
+    rank_arena_elems: tuple[tuple[int, ...], ...]
     stash_live: tuple[tuple[int, ...], ...]
     stash_intervals: tuple[tuple[tuple[int, int, int], ...], ...] = dataclasses.field(
         repr=False, compare=False, default=()
     )
 
-    def live_stash_peak(self, rank: int, class_bytes) -> float:
-        """Peak over the step of the stash bytes ``rank`` really holds, with ``class_bytes[c]`` bytes
-        per item of class ``c`` (an SPMD program allocates more: every rank gets the largest need)."""
-        events = sorted(
-            [(p, 1, c) for p, _, c in self.stash_intervals[rank]]
-            + [(q, -1, c) for _, q, c in self.stash_intervals[rank]],
-            key=lambda e: (e[0], e[1]),
-        )
-        live = peak = 0.0
-        for _, sign, c in events:
-            live += sign * class_bytes[c]
-            peak = max(peak, live)
-        return peak
-
-    def group_of(self, class_index: int) -> int:
-        return next(g for g, members in enumerate(self.stash_groups) if class_index in members)
+    def stash_column(self, key_index: int) -> int:
+        return len(COLUMNS) + 2 * len(self.offsets) + key_index
 
     def column(self, name: str) -> int:
         return COLUMNS.index(name)
@@ -155,56 +152,49 @@ def _peak_live(intervals: list[tuple[int, int, object]]) -> int:
     return peak
 
 
-def _stash_cost(groups, items, sizes, num_ranks) -> tuple[int, list[int]]:
-    """Bytes the stash buffers of a grouping take on every rank, and each group's slot count."""
-    total, slots = 0, []
-    for group in groups:
-        n = max(_peak_live([x for c in group for x in items[(r, c)]]) for r in range(num_ranks))
-        dtypes = {dt for c in group for dt in sizes[c]}
-        width = sum(max(sizes[c].get(dt, 0) for c in group) for dt in dtypes)
-        total += n * width
-        slots.append(n)
-    return total, slots
+def _first_fit(items, order_key) -> tuple[dict, int]:
+    placed: list[tuple[int, int, int, int]] = []  # (offset, size, produced, consumed)
+    offset_of = {}
+    for produced, consumed, key, size in sorted(items, key=order_key):
+        if size == 0:
+            offset_of[key] = 0
+            continue
+        busy = sorted((o, o + n) for o, n, p, q in placed if p < consumed and produced < q)
+        offset = 0
+        for start, end in busy:
+            if offset + size <= start:
+                break
+            offset = max(offset, end)
+        placed.append((offset, size, produced, consumed))
+        offset_of[key] = offset
+    return offset_of, max((o + n for o, n, _, _ in placed), default=0)
 
 
-def _choose_stash_groups(items, sizes, num_classes, num_ranks) -> tuple[tuple[int, ...], ...]:
-    """Partition the classes into stash buffers of least total bytes (every rank allocates every buffer).
+def _assign_offsets(items: list[tuple[int, int, object, int]]) -> tuple[dict, int]:
+    """Offsets in one arena for items ``(produced, consumed, key, size)`` with half-open lifetimes
+    ``(produced, consumed]``, so that items alive at the same time never overlap.
 
-    One buffer sized for the largest class wastes memory when classes differ in size (the last
-    stage's residuals include the logits); one buffer per class wastes memory when a rank's items of
-    different classes never coexist. We try every split of the classes, sorted by size, into
-    contiguous runs (2^(n-1) candidates) and keep the cheapest.
-    """
-    if sizes is None or num_classes <= 1:
-        return (tuple(range(num_classes)),)
-    order = sorted(range(num_classes), key=lambda c: sum(sizes[c].values()))
-    best = None
-    for mask in range(1 << (num_classes - 1)):
-        groups, current = [], [order[0]]
-        for i, c in enumerate(order[1:]):
-            if mask >> i & 1:
-                groups.append(tuple(current))
-                current = []
-            current.append(c)
-        groups.append(tuple(current))
-        cost, _ = _stash_cost(groups, items, sizes, num_ranks)
-        if best is None or cost < best[0]:
-            best = (cost, tuple(tuple(sorted(g)) for g in groups))
-    return best[1]
+    Two first-fit heuristics -- largest item first (TFLite's greedy-by-size) and earliest lifetime
+    first -- and the shorter arena wins: greedy-by-size is best for mixed sizes, lifetime order for
+    the regular streams a pipeline schedule makes."""
+    by_size = _first_fit(items, lambda x: (-x[3], x[0], x[1]))
+    by_time = _first_fit(items, lambda x: (x[0], -x[3], x[1]))
+    return min(by_size, by_time, key=lambda r: r[1])
 
 
 def build_tick_program(
     schedule: Schedule,
     cell_classes: dict[tuple[int, int], StageClass],
-    stash_sizes: dict[StageClass, dict[str, int]] | None = None,
+    stash_elems: dict[StageClass, dict[tuple[str, str], int]] | None = None,
 ) -> TickProgram:
     """Lower a validated schedule to tick tables.
 
     Args:
         schedule: the schedule.
         cell_classes: for every (stage, microbatch), its class.
-        stash_sizes: per class, stashed residual bytes per dtype for one microbatch; used to group the
-            stash buffers. Without it every class shares one buffer.
+        stash_elems: per class, elements one stage-microbatch stashes per arena ``(dtype, space)``.
+            Without it every class stashes one element in a single ``("float32", "device")`` arena
+            (enough for slot counting and tests).
     """
     validate(schedule)
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
@@ -255,7 +245,7 @@ def build_tick_program(
         elif a.kind in (Kind.B, Kind.I) and s > 0:
             grad_items[rank_of[s - 1]].append((ticks[a], ticks[last_use(s - 1, m)], (s - 1, m)))
 
-    act_slot, grad_slot, stash_slot = {}, {}, {}
+    act_slot, grad_slot = {}, {}
     act_slots = grad_slots = 0
     for r in range(num_ranks):
         slots, n = _color_intervals(act_items[r])
@@ -265,16 +255,27 @@ def build_tick_program(
         grad_slot.update({(r, k): v for k, v in slots.items()})
         grad_slots = max(grad_slots, n)
     stash_live = [[_peak_live(stash_items[(r, c)]) for r in range(num_ranks)] for c in range(len(classes))]
-    sizes = None if stash_sizes is None else [stash_sizes[c] for c in classes]
-    stash_groups = _choose_stash_groups(stash_items, sizes, len(classes), num_ranks)
-    stash_slots = []
-    for group in stash_groups:
-        count = 0
+    if stash_elems is None:
+        stash_elems = {c: {("float32", "device"): 1} for c in classes}
+    class_elems = tuple(dict(stash_elems[c]) for c in classes)
+    stash_keys = tuple(sorted({k for elems in class_elems for k, n in elems.items() if n}))
+    window = tuple(max(elems.get(k, 0) for elems in class_elems) for k in stash_keys)
+    stash_offset: dict[tuple[int, int, int], int] = {}  # (key index, stage, mb) -> offset
+    rank_arena = [[0] * num_ranks for _ in stash_keys]
+    arena = []
+    for ki, key in enumerate(stash_keys):
+        need = 0
         for r in range(num_ranks):
-            slots, n = _color_intervals([x for c in group for x in stash_items[(r, c)]])
-            stash_slot.update(slots)
-            count = max(count, n)
-        stash_slots.append(count)
+            items = [
+                (p, q, cell, class_elems[c].get(key, 0))
+                for c in range(len(classes))
+                for p, q, cell in stash_items[(r, c)]
+            ]
+            offsets_r, length = _assign_offsets(items)
+            stash_offset.update({(ki, *cell): o for cell, o in offsets_r.items()})
+            rank_arena[ki][r] = length
+            need = max(need, length)
+        arena.append(need)
     act_trash, grad_trash = act_slots, grad_slots
 
     branches: list[tuple[int, Kind]] = []
@@ -283,7 +284,7 @@ def build_tick_program(
         if key not in branches:
             branches.append(key)
 
-    width = len(COLUMNS) + 2 * len(offsets)
+    width = len(COLUMNS) + 2 * len(offsets) + len(stash_keys)
     table = np.zeros((num_ranks, num_ticks, width), np.int32)
     col = {name: i for i, name in enumerate(COLUMNS)}
     table[:, :, col["send"]] = len(offsets)
@@ -299,7 +300,8 @@ def build_tick_program(
         row[col["branch"]] = 1 + branches.index((cell_class[(s, m)], a.kind))
         row[col["local_stage"]] = local_stage[s]
         row[col["microbatch"]] = m
-        row[col["stash"]] = stash_slot[(s, m)]
+        for ki in range(len(stash_keys)):
+            row[len(COLUMNS) + 2 * len(offsets) + ki] = stash_offset[(ki, s, m)]
         if a.kind is Kind.F and s > 0:
             row[col["act_in"]] = act_slot[(r, (s, m))]
         if a.kind in (Kind.B, Kind.I, Kind.W) and s < num_stages - 1:
@@ -330,8 +332,11 @@ def build_tick_program(
         table=table,
         act_slots=act_slots,
         grad_slots=grad_slots,
-        stash_groups=stash_groups,
-        stash_slots=tuple(stash_slots),
+        stash_keys=stash_keys,
+        class_elems=class_elems,
+        window=window,
+        arena_elems=tuple(arena),
+        rank_arena_elems=tuple(tuple(x) for x in rank_arena),
         stash_live=tuple(tuple(x) for x in stash_live),
         stash_intervals=tuple(
             tuple((p, q, c) for c in range(len(classes)) for p, q, _ in stash_items[(r, c)]) for r in range(num_ranks)

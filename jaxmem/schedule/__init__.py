@@ -13,6 +13,7 @@ from jaxmem.schedule._csv import schedule_to_csv_text as schedule_to_csv_text
 from jaxmem.schedule._draw import draw as draw
 from jaxmem.schedule._generators import GeneratorInfo as GeneratorInfo
 from jaxmem.schedule._generators import align as align
+from jaxmem.schedule._generators import chronos as chronos
 from jaxmem.schedule._generators import generate as generate
 from jaxmem.schedule._generators import get_generator as get_generator
 from jaxmem.schedule._generators import gpipe as gpipe
@@ -21,6 +22,8 @@ from jaxmem.schedule._generators import interleaved_1f1b as interleaved_1f1b
 from jaxmem.schedule._generators import list_generators as list_generators
 from jaxmem.schedule._generators import one_f_one_b as one_f_one_b
 from jaxmem.schedule._generators import register as register
+from jaxmem.schedule._generators import v_half as v_half
+from jaxmem.schedule._generators import v_min as v_min
 from jaxmem.schedule._generators import v_shape_stage_to_rank as v_shape_stage_to_rank
 from jaxmem.schedule._generators import zb_h1 as zb_h1
 from jaxmem.schedule._generators import zbv as zbv

@@ -12,6 +12,9 @@ from jaxmem.schedule._validate import lockstep_ticks, validate
 __all__ = [
     "GeneratorInfo",
     "align",
+    "chronos",
+    "v_half",
+    "v_min",
     "generate",
     "get_generator",
     "gpipe",
@@ -147,6 +150,7 @@ def greedy_schedule(
     inflight_limit: Sequence[int],
     priority: Priority,
     split_backward: bool = True,
+    reserve: bool = False,
 ) -> Schedule:
     """A list scheduler in lockstep ticks with unit-time actions, under a per-rank activation limit.
 
@@ -155,12 +159,19 @@ def greedy_schedule(
     ``inflight_limit[rank]`` stage-microbatch activations (counted from F until the backward that
     frees them: W when the backward is split, B otherwise). This is the automatic-scheduling idea of
     the zero-bubble paper (arXiv 2401.10241, section 3) reduced to a heuristic; our reconstruction.
+
+    With ``reserve``, a microbatch's first forward on a rank also reserves room for its later stages
+    on that rank (V-shape), so a rank never fills up with first chunks whose second chunks cannot run.
     """
     num_stages = len(stage_to_rank)
     last = num_stages - 1
     bwd = Kind.I if split_backward else Kind.B
     free_kind = Kind.W if split_backward else Kind.B
     stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(pipe)]
+    later_here = {
+        s: sum(1 for t in range(s, num_stages) if stage_to_rank[t] == stage_to_rank[s]) for s in range(num_stages)
+    }
+    reserved = [0] * pipe
     done: dict[Action, int] = {}
     orders: list[list[Action]] = [[] for _ in range(pipe)]
     inflight = [0] * pipe
@@ -179,7 +190,12 @@ def greedy_schedule(
             candidates = []
             for s in stages_of[r]:
                 m = next_f[s]
-                if m < microbatches and inflight[r] < inflight_limit[r]:
+                if reserve:
+                    opens = s == stages_of[r][0]
+                    room = inflight[r] + reserved[r] + (later_here[s] if opens else 0) <= inflight_limit[r]
+                else:
+                    room = inflight[r] < inflight_limit[r]
+                if m < microbatches and room:
                     a = Action(s, Kind.F, m)
                     if s == 0 or ready(Action(s - 1, Kind.F, m)):
                         candidates.append(a)
@@ -208,6 +224,8 @@ def greedy_schedule(
             if a.kind is Kind.F:
                 inflight[r] += 1
                 next_f[a.stage] += 1
+                if reserve:
+                    reserved[r] += later_here[a.stage] - 1 if a.stage == stages_of[r][0] else -1
                 bwd_ready[r].add(Action(a.stage, bwd, a.microbatch))
             elif a.kind is bwd:
                 bwd_ready[r].discard(a)
@@ -250,6 +268,71 @@ def zbv(pipe: int, microbatches: int) -> Schedule:
 
     limits = [2 * pipe] * pipe
     return greedy_schedule("zbv", pipe, microbatches, stage_to_rank, limits, priority)
+
+
+def _v_limited(name: str, pipe: int, microbatches: int, limit_units: int) -> Schedule:
+    _check_sizes(name, pipe, microbatches)
+
+    def priority(a: Action, rank: int) -> tuple:
+        return ({Kind.I: 0, Kind.F: 1, Kind.W: 2}[a.kind], a.microbatch, -a.stage if a.kind is Kind.F else a.stage)
+
+    limits = [max(2 * limit_units, 2)] * pipe  # half-size chunks
+    return greedy_schedule(name, pipe, microbatches, v_shape_stage_to_rank(pipe, 2), limits, priority, reserve=True)
+
+
+def v_half(pipe: int, microbatches: int) -> Schedule:
+    """V-Half baseline: a V-shape zero-bubble schedule under V-Half's activation limit of (P+2)//2
+    stage-activations per rank ("Pipeline Parallelism with Controllable Memory", arXiv 2405.15362).
+    Built by our greedy list scheduler at that limit, not by the paper's building blocks."""
+    return _v_limited("v-half", pipe, microbatches, (pipe + 2) // 2)
+
+
+def v_min(pipe: int, microbatches: int) -> Schedule:
+    """V-Min baseline: as :func:`v_half` under V-Min's limit of (P+4)//3 stage-activations per rank."""
+    return _v_limited("v-min", pipe, microbatches, (pipe + 4) // 3)
+
+
+def chronos(pipe: int, microbatches: int) -> Schedule:
+    """Chronos-Pipe (our design after ChronosPipe, arXiv 2503.03182): a V-shape schedule that keeps every
+    microbatch's activations alive only as long as its own dependency chain needs.
+
+    Ranks own stages r and 2P-1-r (two half-size chunks). Every microbatch runs as one unbroken chain
+    -- down the ranks (chunk 0 forward), back up (chunk 1 forward), down again (chunk 1 input-gradient)
+    and up (chunk 0 input-gradient) -- one chunk-time per hop, and a new microbatch enters every 6
+    chunk-times, the work one microbatch brings to each rank (F, I, W of two chunks). Rank r then
+    runs microbatch m's four chain actions at 6m + {r, 2P-1-r, 2P+g+r, 4P-1+g-r}: all different
+    modulo 6 when 2P+g is not a multiple of 6 (g = 0, or 2 when P is a multiple of 3), so chains tile
+    without collisions and the steady state has no bubble. Weight-gradients go in the first free slot
+    after their input-gradient, which frees the activation as early as possible.
+
+    With F = I = W, a rank holds about (2P + 1) / 3 half-size chunk activations -- at most half of
+    1F1B's P on the worst rank for P >= 4, matching V-Min's memory (arXiv 2405.15362) -- and its
+    makespan beats 1F1B's (warm-up of about 2P chunk-times instead of 1F1B's 3(P-1) stage-times).
+    The exact published ordering was not available; this construction is ours.
+    """
+    _check_sizes("chronos", pipe, microbatches)
+    gap = 0 if (2 * pipe) % 6 else 2
+    placed: list[dict[int, Action]] = [{} for _ in range(pipe)]
+
+    def put(rank: int, slot: int, action: Action) -> int:
+        while slot in placed[rank]:
+            slot += 1
+        placed[rank][slot] = action
+        return slot
+
+    last = 2 * pipe - 1
+    for m in range(microbatches):
+        base = 6 * m
+        for r in range(pipe):
+            put(r, base + r, Action(r, Kind.F, m))
+            put(r, base + 2 * pipe - 1 - r, Action(last - r, Kind.F, m))
+            put(r, base + 2 * pipe + gap + r, Action(last - r, Kind.I, m))
+            put(r, base + 4 * pipe - 1 + gap - r, Action(r, Kind.I, m))
+    for r in range(pipe):
+        for slot, action in sorted((t, a) for t, a in placed[r].items() if a.kind is Kind.I):
+            put(r, slot + 1, Action(action.stage, Kind.W, action.microbatch))
+    orders = [[a for _, a in sorted(placed[r].items())] for r in range(pipe)]
+    return _finish("chronos", orders, v_shape_stage_to_rank(pipe, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,3 +413,13 @@ register(
 )
 register(GeneratorInfo("zb-h1", zb_h1, "zero-bubble H1: split backward (I/W), 1F1B's memory"))
 register(GeneratorInfo("zbv", zbv, "zero-bubble V: V-shape 2 chunks per rank, split backward", default_virtual=2))
+register(
+    GeneratorInfo(
+        "chronos",
+        chronos,
+        "ChronosPipe (our design): V-shape chains, ~(2P+1)/3 half-chunks live, beats 1F1B",
+        default_virtual=2,
+    )
+)
+register(GeneratorInfo("v-half", v_half, "baseline: V-shape under V-Half's memory (P+2)//2", default_virtual=2))
+register(GeneratorInfo("v-min", v_min, "baseline: V-shape under V-Min's memory (P+4)//3", default_virtual=2))

@@ -1,0 +1,264 @@
+"""Trainable model size under a fixed per-device budget: the deepest GPT each method fits, and its
+simulated per-layer throughput, side by side (ChronosPipe's claim: 2.4x the depth of 1F1B at
+comparable throughput, 1.5x better than 1F1B + recompute).
+
+    python benchmarks/trainable_size.py [--budget-gib 40] [--hardware h100] [--json] [-o plot.png]
+
+Memory is the analytical ledger's prediction (validated below against memory_analysis() on depths
+that compile on this CPU); time is the schedule simulator with FLOP costs, recompute and host
+transfers on the hardware profile. Both are predictions, not measurements on the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jaxmem.memory import get_hardware  # noqa: E402
+from jaxmem.models import get_config  # noqa: E402
+from jaxmem.policy._planner import evaluate  # noqa: E402
+from jaxmem.schedule import generate  # noqa: E402
+
+METHODS = [
+    # (label, schedule, virtual, policy)
+    ("1F1B", "1f1b", None, "save-all"),
+    ("1F1B + full recompute", "1f1b", None, "recompute-all"),
+    ("interleaved-1F1B", "interleaved-1f1b", 2, "save-all"),
+    ("ZB-H1", "zb-h1", None, "save-all"),
+    ("V-Half", "v-half", None, "save-all"),
+    ("V-Min", "v-min", None, "save-all"),
+    ("Chronos-Pipe", "chronos", None, "save-all"),
+    ("Chronos-Pipe + Recomp", "chronos", None, "chronos-recomp"),
+    ("Chronos-Pipe + Offload", "chronos", None, "chronos-offload"),
+    ("ChronosPipe (all)", "chronos", None, "chronos-both"),
+]
+
+
+def score(base, layers, schedule_name, virtual, policy, args, hardware):
+    config = dataclasses.replace(base, n_layers=layers)
+    schedule = generate(schedule_name, args.pipe, args.microbatches, virtual)
+    return evaluate(
+        config,
+        schedule,
+        policy,
+        budget=args.budget_gib * 2**30,
+        batch=args.batch_size,
+        seq=args.seq_len,
+        data=1,
+        hardware=hardware,
+    )
+
+
+def max_depth(base, method, args, hardware, floor=None):
+    """Deepest multiple of 2P layers that fits (device bytes grow with depth: binary search); with
+    ``floor``, also keeping per-layer throughput >= floor (it falls as more is recomputed)."""
+    _, schedule_name, virtual, policy = method
+    step = 2 * args.pipe
+
+    def fits(k):
+        cand = score(base, k * step, schedule_name, virtual, policy, args, hardware)
+        return cand.fits and (floor is None or cand.tokens_per_second * k * step >= floor)
+
+    if not fits(1):
+        return 0, None
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    layers = lo * step
+    return layers, score(base, layers, schedule_name, virtual, policy, args, hardware)
+
+
+def validate_on_cpu(args):
+    """Ledger vs memory_analysis() on depths of a narrow GPT that compile here."""
+    from jaxmem.config import TrainConfig
+    from jaxmem.memory import compare, measure, predict
+    from jaxmem.train import Trainer
+
+    rows = []
+    for layers in (8, 16):
+        for schedule, policy in (("1f1b", "save-all"), ("chronos", "save-all"), ("chronos", "selective")):
+            config = TrainConfig(
+                schedule=schedule, stages=4, microbatches=8, batch_size=32, seq_len=64, policy=policy, steps=1
+            )
+            trainer = Trainer(dataclasses.replace(config))
+            trainer_config = dataclasses.replace(trainer.model_config, n_layers=layers)
+            trainer = _trainer_with_layers(config, layers)
+            predicted = predict(trainer_config, trainer.schedule, policy, batch=32, seq=64)
+            report = compare(predicted, measure(trainer))
+            rows.append(
+                {
+                    "layers": layers,
+                    "schedule": schedule,
+                    "policy": policy,
+                    "predicted_device_bytes": report["ranks"][0]["predicted_device_bytes"],
+                    "compiled_device_bytes": report["ranks"][0]["compiled_device_bytes"],
+                    "error": report["max_prediction_error"],
+                }
+            )
+            print(
+                f"  validate: d=64 L={layers} {schedule} {policy}: predicted "
+                f"{rows[-1]['predicted_device_bytes'] / 2**20:.2f} MiB, compiled "
+                f"{rows[-1]['compiled_device_bytes'] / 2**20:.2f} MiB, error {rows[-1]['error']:+.1%}",
+                file=sys.stderr,
+            )
+    return rows
+
+
+def _trainer_with_layers(config, layers):
+    from jaxmem.models import gpt
+    from jaxmem.train import Trainer
+
+    name = f"tiny-{layers}"
+    gpt.PRESETS[name] = dataclasses.replace(gpt.PRESETS["tiny"], n_layers=layers)
+    return Trainer(dataclasses.replace(config, model=name))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-gib", type=float, default=40.0, help="per-device memory budget (GiB)")
+    parser.add_argument("--hardware", default="h100", help="h100, tpu-v5p or cpu")
+    parser.add_argument("--width", default="gpt2-xl", help="preset giving the width (d_model, heads, vocab)")
+    parser.add_argument("--pipe", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument(
+        "--throughput-floor",
+        type=float,
+        default=0.95,
+        help="ChronosPipe variants keep per-layer throughput >= this fraction of 1F1B's",
+    )
+    parser.add_argument("--no-validate", action="store_true", help="skip the CPU compile check of the ledger")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("-o", "--output", help="plot (.png)")
+    args = parser.parse_args(argv)
+    hardware = get_hardware(args.hardware)
+    base = get_config(args.width)
+    start = time.perf_counter()
+    results = []
+    floor = None
+    for method in METHODS:
+        layers, cand = max_depth(base, method, args, hardware)
+        memory_only = layers
+        if method[0] == "1F1B":
+            floor = args.throughput_floor * cand.tokens_per_second * layers
+        if method[1] == "chronos" and floor is not None:
+            # ChronosPipe's claim is depth at comparable throughput: the deepest fitting depth whose
+            # per-layer throughput stays >= the floor (throughput is not monotone in depth: the head is
+            # amortised as depth grows, recompute grows with it), scanning down from the memory limit.
+            step = 2 * args.pipe
+            while layers > 0 and cand.tokens_per_second * layers < floor:
+                layers -= step
+                cand = score(base, layers, method[1], method[2], method[3], args, hardware) if layers else None
+        throughput = cand.tokens_per_second * layers if cand else 0.0
+        results.append(
+            {
+                "name": method[0],
+                "schedule": method[1],
+                "policy": method[3],
+                "max_layers": layers,
+                "max_layers_memory_only": memory_only,
+                "per_layer_throughput": throughput,
+                "tokens_per_second": cand.tokens_per_second if cand else 0.0,
+                "device_bytes": cand.device_bytes if cand else None,
+                "step_seconds": cand.step_seconds if cand else None,
+                "note": cand.note if cand else "",
+            }
+        )
+        print(
+            f"{method[0]:26s} max layers {layers:4d} (memory only {memory_only:4d})  "
+            f"per-layer throughput {throughput:14,.0f} layer-tokens/s"
+            + (f"  ({cand.note})" if cand and cand.note else ""),
+            file=sys.stderr,
+        )
+    by = {r["name"]: r for r in results}
+    full, one = by["ChronosPipe (all)"], by["1F1B"]
+    # 1F1B + full recompute at the depth full ChronosPipe reaches.
+    recompute_there = score(base, full["max_layers"], "1f1b", None, "recompute-all", args, hardware)
+    record = {
+        "benchmark": "trainable_size",
+        "budget_bytes": int(args.budget_gib * 2**30),
+        "host_bandwidth_gbps": hardware.host_bandwidth / 1e9,
+        "hardware": hardware.to_json(),
+        "model_family": {
+            "width_preset": args.width,
+            "d_model": base.d_model,
+            "n_heads": base.n_heads,
+            "vocab_size": base.vocab_size,
+            "dtype": base.dtype,
+        },
+        "pipe": args.pipe,
+        "microbatches": args.microbatches,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "methods": results,
+        "throughput_floor": args.throughput_floor,
+        "chronos_vs_1f1b_depth_ratio": full["max_layers"] / one["max_layers"] if one["max_layers"] else None,
+        "chronos_vs_1f1b_throughput_ratio": (
+            full["per_layer_throughput"] / one["per_layer_throughput"] if one["per_layer_throughput"] else None
+        ),
+        "recompute_1f1b_at_chronos_depth": {
+            "layers": full["max_layers"],
+            "fits": recompute_there.fits,
+            "per_layer_throughput": recompute_there.tokens_per_second * full["max_layers"],
+            "chronos_over_it": full["per_layer_throughput"] / (recompute_there.tokens_per_second * full["max_layers"]),
+        },
+        "planner_seconds": time.perf_counter() - start,
+        "notes": [
+            "memory: analytical ledger (predicted); time: simulated on the hardware profile (predicted)",
+            "depths are multiples of 2P so every schedule splits the layers evenly",
+        ],
+    }
+    if not args.no_validate:
+        record["cpu_validation"] = validate_on_cpu(args)
+    if args.output:
+        _plot(record, args.output)
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        print(
+            f"ChronosPipe vs 1F1B: {record['chronos_vs_1f1b_depth_ratio']:.2f}x depth at "
+            f"{record['chronos_vs_1f1b_throughput_ratio']:.1%} per-layer throughput; vs 1F1B + full recompute at "
+            f"the same depth: {record['recompute_1f1b_at_chronos_depth']['chronos_over_it']:.2f}x throughput"
+        )
+    return record
+
+
+def _plot(record, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [m["name"] for m in record["methods"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a1.barh(names, [m["max_layers"] for m in record["methods"]], color="#4C72B0")
+    a1.set_xlabel("max layers under the budget")
+    a1.invert_yaxis()
+    base = record["methods"][0]["per_layer_throughput"] or 1
+    a2.barh(names, [m["per_layer_throughput"] / base for m in record["methods"]], color="#55A868")
+    a2.axvline(0.95, color="black", linestyle=":", linewidth=1)
+    a2.set_xlabel("per-layer throughput relative to 1F1B")
+    a2.invert_yaxis()
+    a2.set_yticklabels([])
+    fig.suptitle(
+        f"budget {record['budget_bytes'] / 2**30:.0f} GiB/device, {record['hardware']['name']}, "
+        f"d_model {record['model_family']['d_model']}, P={record['pipe']}, M={record['microbatches']}",
+        fontsize=9,
+    )
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

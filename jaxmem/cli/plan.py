@@ -1,0 +1,119 @@
+"""``jaxmem plan``: pick schedule, microbatches and memory policy under a per-device budget."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxmem.cli._common import parse_bytes, print_json
+
+_EPILOG = """\
+examples:
+  jaxmem plan --model gpt2-xl --devices 8 --budget 24GiB
+  jaxmem plan --model gpt2-medium --devices 16 --budget 16GiB --hardware tpu-v5p --json
+  jaxmem plan --model tiny --devices 4 --budget 12MiB --hardware cpu --batch-size 32 --seq-len 64
+  jaxmem train --plan auto --budget 12MiB          # plan, then train with the pick
+
+Searches pipeline sizes dividing the devices, schedules (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv,
+chronos), microbatch counts and policies (save-all, selective, recompute-all, Chronos-Recomp,
+Chronos-Offload and both), scores each with the analytical memory ledger and the schedule simulator
+on a hardware profile (h100, tpu-v5p, or cpu = measured on this machine), and returns the fastest
+that fits. Nothing is compiled. Exit code 1 when nothing fits, with the smallest budget that would."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="choose schedule, microbatches and memory policy under a budget",
+        description="The planner: fastest simulated plan whose predicted per-device bytes fit the budget.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--devices", type=int, required=True, help="devices available (pipe x data)")
+    p.add_argument("--budget", required=True, help="device memory per device, e.g. 24GiB, 512MiB, 8e9")
+    p.add_argument("--hardware", default="h100", help="h100 (default), tpu-v5p, or cpu (measured here)")
+    p.add_argument("--host-bandwidth", type=float, help="host link GB/s per device (overrides the profile)")
+    p.add_argument("--batch-size", type=int, help="global batch (default: 32 for tiny, 4 x devices otherwise)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the model's maximum)")
+    p.add_argument("--pipe", type=int, action="append", help="only these pipeline sizes (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def make_plan(
+    model: str,
+    devices: int,
+    budget: float,
+    hardware: str,
+    host_bandwidth: float | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    pipes=None,
+    progress: bool = True,
+):
+    import dataclasses
+
+    from jaxmem.memory import get_hardware
+    from jaxmem.models import get_config
+    from jaxmem.policy._planner import plan
+
+    config = get_config(model)
+    hw = get_hardware(hardware)
+    if host_bandwidth:
+        hw = dataclasses.replace(hw, host_bandwidth=host_bandwidth * 1e9, note=hw.note + "; host link set by flag")
+    batch = batch or (32 if model == "tiny" else 4 * devices)
+    seq = seq or config.max_seq_len
+
+    import sys
+
+    progress = progress and sys.stderr.isatty()
+
+    def report(i, n, schedule):
+        if progress:
+            print(
+                f"\rplanning: {i + 1}/{n} schedules ({schedule.name}, M={schedule.num_microbatches})",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    result = plan(
+        config,
+        devices=devices,
+        budget_bytes=budget,
+        hardware=hw,
+        batch=batch,
+        seq=seq,
+        pipes=pipes,
+        model_name=model,
+        progress=report,
+    )
+    if progress:
+        print(file=sys.stderr)
+    return result, batch, seq
+
+
+def run(args) -> int:
+    budget = parse_bytes(args.budget)
+    result, batch, seq = make_plan(
+        args.model,
+        args.devices,
+        budget,
+        args.hardware,
+        args.host_bandwidth,
+        args.batch_size,
+        args.seq_len,
+        args.pipe,
+        progress=not args.json,
+    )
+    record = result.to_json()
+    record.update({"batch_size": batch, "seq_len": seq})
+    if args.json:
+        print_json(record)
+    else:
+        for line in result.explain():
+            print(line)
+        if result.best is not None and result.best.note:
+            print(f"  policy detail: {result.best.note}")
+        print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted")
+    return 0 if result.best is not None else 1

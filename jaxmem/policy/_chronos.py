@@ -1,0 +1,190 @@
+"""Chronos-Recomp and Chronos-Offload: policies chosen from the schedule's timeline, under a budget.
+
+ChronosPipe (arXiv 2503.03182) treats device memory as a cache and uses temporal locality: the
+activations that wait longest between their forward and their backward are the cheapest to give up
+-- recompute them (Chronos-Recomp) or move them to host and fetch them back just in time
+(Chronos-Offload); state idle for most of the step (optimizer state, weights) can live on host.
+The paper's exact rules were not available to us; this is our reconstruction, one budget solver:
+
+- reuse distance of (stage, microbatch) = how long its activation waits, end of F to start of its
+  backward, in the schedule simulated with the step's costs;
+- memory "moves", each with a time cost per byte saved:
+  * offload the stash of a cell whose wait covers the round trip on the host link (free: it hides
+    behind compute; the simulator charges whatever does not),
+  * selective recompute of a cell (recompute the attention probabilities only),
+  * full recompute of a cell (keep only the stage input),
+  * optimizer state on host (read and written back by the update; charged in full),
+  * weights on host (fetched and written back each step; charged in full);
+- moves are applied cheapest per byte first; within a cell move, the longest-waiting cells go first,
+  and a binary search finds how few are needed; a move is used fully before the next one starts.
+
+``chronos-recomp`` uses the recompute moves, ``chronos-offload`` the offload moves, ``chronos-both``
+all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jaxmem.policy._policy import PRESETS, Policy
+
+__all__ = ["ChronosChoice", "Move", "chronos_policy", "reuse_distances"]
+
+SAVE = PRESETS["save-all"]
+CELL_POLICIES = {
+    "offload-stash": dataclasses.replace(SAVE, offload_stash=True),
+    "selective": PRESETS["selective"],
+    "recompute-all": PRESETS["recompute-all"],
+}
+RECOMP_MOVES = ("selective", "recompute-all")
+OFFLOAD_MOVES = ("offload-stash", "optimizer-state", "weights")
+
+
+def reuse_distances(schedule, costs) -> list[tuple[float, int, int]]:
+    """``(wait, stage, microbatch)`` for every cell, longest wait first."""
+    from jaxmem.schedule import simulate
+
+    result = simulate(schedule, costs)
+    cells = [
+        (result.reuse_distance(s, m), s, m)
+        for s in range(schedule.num_stages)
+        for m in range(schedule.num_microbatches)
+    ]
+    return sorted(cells, key=lambda c: (-c[0], c[1], c[2]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One kind of memory reduction with its cost in seconds per byte saved."""
+
+    name: str
+    seconds_per_byte: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ChronosChoice:
+    """A generated policy and what the generator decided."""
+
+    policy: Policy
+    cells: dict  # move name -> number of cells it was applied to
+    optimizer_state_on_host: bool
+    weights_on_host: bool
+    device_bytes: float
+    fits: bool
+
+    def describe(self) -> str:
+        parts = [
+            f"{name} on {n} cells" for name, n in self.cells.items() if n and name not in ("optimizer-state", "weights")
+        ]
+        if self.optimizer_state_on_host:
+            parts.append("optimizer state on host")
+        if self.weights_on_host:
+            parts.append("weights on host")
+        return ", ".join(parts) or "nothing needed"
+
+
+def _smallest_prefix(count: int, fits: Callable[[int], bool]) -> int | None:
+    """Smallest k in [0, count] with fits(k) (fits assumed monotone); None when even ``count`` fails."""
+    if fits(0):
+        return 0
+    if count == 0 or not fits(count):
+        return None
+    lo, hi = 0, count
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def chronos_policy(
+    schedule,
+    device_bytes: Callable[[Policy], float],
+    budget: float,
+    costs,
+    moves: list[Move],
+    *,
+    stash_seconds_round_trip: Callable[[int, int], float],
+    name: str = "chronos",
+) -> ChronosChoice:
+    """Apply memory moves, cheapest per byte first, until ``device_bytes(policy) <= budget``.
+
+    Args:
+        device_bytes: per-rank device footprint of a policy (the analytical ledger's maximum).
+        costs: simulator costs of the step (for the reuse distances).
+        moves: the moves allowed, with their cost per byte (see module doc).
+        stash_seconds_round_trip: offload + prefetch time of a cell's stash on the host link.
+    """
+    order = reuse_distances(schedule, costs)
+    moves = sorted(moves, key=lambda m: m.seconds_per_byte)
+    cell_level: dict[tuple[int, int], str] = {}
+    flags = {"optimizer-state": False, "weights": False}
+    applied: dict[str, int] = {}
+
+    def build(levels: dict, state: dict) -> Policy:
+        stage_base = dataclasses.replace(
+            SAVE, offload_optimizer_state=state["optimizer-state"], offload_weights=state["weights"]
+        )
+        stages = tuple((s, stage_base) for s in range(schedule.num_stages)) if stage_base != SAVE else ()
+        cells = tuple(
+            sorted(
+                (
+                    s,
+                    m,
+                    dataclasses.replace(
+                        CELL_POLICIES[level],
+                        offload_optimizer_state=state["optimizer-state"],
+                        offload_weights=state["weights"],
+                    ),
+                )
+                for (s, m), level in levels.items()
+            )
+        )
+        return Policy(default=SAVE, stages=stages, cells=cells, name=name)
+
+    policy = build(cell_level, flags)
+    if device_bytes(policy) <= budget:
+        return ChronosChoice(policy, applied, False, False, device_bytes(policy), True)
+    for move in moves:
+        if move.name in flags:
+            flags = dict(flags, **{move.name: True})
+            applied[move.name] = 1
+            policy = build(cell_level, flags)
+            if device_bytes(policy) <= budget:
+                return ChronosChoice(
+                    policy, applied, flags["optimizer-state"], flags["weights"], device_bytes(policy), True
+                )
+            continue
+        if move.name == "offload-stash":
+            targets = [(s, m) for w, s, m in order if (s, m) not in cell_level and w >= stash_seconds_round_trip(s, m)]
+        else:
+            targets = [
+                (s, m)
+                for _, s, m in order
+                if cell_level.get((s, m)) in (None, "selective") and cell_level.get((s, m)) != move.name
+            ]
+
+        def with_k(k: int, targets=targets, move=move, base_levels=cell_level) -> dict:
+            levels = dict(base_levels)
+            for cell in targets[:k]:
+                levels[cell] = move.name
+            return levels
+
+        def fits(k: int, with_k=with_k, state=flags) -> bool:
+            return device_bytes(build(with_k(k), state)) <= budget
+
+        k = _smallest_prefix(len(targets), fits)
+        if k is not None:
+            cell_level = with_k(k)
+            applied[move.name] = k
+            policy = build(cell_level, flags)
+            return ChronosChoice(
+                policy, applied, flags["optimizer-state"], flags["weights"], device_bytes(policy), True
+            )
+        cell_level = with_k(len(targets))
+        applied[move.name] = len(targets)
+    policy = build(cell_level, flags)
+    return ChronosChoice(policy, applied, flags["optimizer-state"], flags["weights"], device_bytes(policy), False)

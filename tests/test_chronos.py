@@ -1,0 +1,224 @@
+"""ChronosPipe: the chronos schedule, Chronos-Recomp/Offload, the planner and its CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxmem.memory import get_hardware, predict
+from jaxmem.models import get_config
+from jaxmem.policy import from_spec
+from jaxmem.policy._chronos import Move, chronos_policy, reuse_distances
+from jaxmem.policy._planner import PlanError, evaluate, plan
+from jaxmem.schedule import Costs, generate, simulate, validate
+from jaxmem.verify import verify
+
+UNIT = Costs(f=1, b=2, i=1, w=1, activation_bytes=1.0)
+
+
+@pytest.mark.parametrize("p", [4, 8])
+@pytest.mark.parametrize("factor", [2, 4])
+def test_chronos_halves_1f1b_memory_at_no_lower_throughput(p, factor):
+    m = factor * p
+    base = simulate(generate("1f1b", p, m), UNIT)
+    chronos = simulate(generate("chronos", p, m), UNIT)
+    assert max(chronos.peak_activation_bytes) <= max(base.peak_activation_bytes) / 2
+    assert chronos.makespan <= base.makespan
+    v_half = simulate(generate("v-half", p, m), UNIT)
+    assert max(chronos.peak_activation_bytes) <= max(v_half.peak_activation_bytes)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 6, 9])
+def test_chronos_is_valid_and_fast_for_other_sizes(p):
+    for m in (1, p, 3 * p):
+        s = validate(generate("chronos", p, m))
+        assert s.num_stages == 2 * p
+        if m >= p:
+            assert simulate(s, UNIT).makespan <= simulate(generate("1f1b", p, m), UNIT).makespan
+
+
+@pytest.mark.parametrize(
+    "policy", ["save-all", "selective", "recompute-all", "offload-stash", "offload-weights", "offload-tags"]
+)
+def test_chronos_verifies_under_every_policy(policy):
+    assert verify(generate("chronos", 2, 2), policy=policy)["ok"]
+
+
+def test_chronos_recomp_takes_the_longest_waits_and_only_what_it_needs():
+    config = get_config("tiny")
+    schedule = generate("1f1b", 4, 8)
+
+    def device_bytes(policy):
+        return predict(config, schedule, policy, batch=32, seq=64).max_device_bytes
+
+    full, none = device_bytes(from_spec("selective")), device_bytes(from_spec("save-all"))
+    budget = (full + none) / 2
+    choice = chronos_policy(
+        schedule, device_bytes, budget, UNIT, [Move("selective", 1.0)], stash_seconds_round_trip=lambda s, m: 1e9
+    )
+    assert choice.fits and choice.device_bytes <= budget
+    k = choice.cells["selective"]
+    assert 0 < k < 32
+    chosen = {(s, m) for s, m, _ in choice.policy.cells}
+    waits = reuse_distances(schedule, UNIT)
+    assert chosen == {(s, m) for _, s, m in waits[:k]}  # longest waits first
+    fewer = from_spec(choice.policy)
+    del fewer
+    one_less = chronos_policy(
+        schedule,
+        device_bytes,
+        device_bytes(choice.policy) - 1,
+        UNIT,
+        [Move("selective", 1.0)],
+        stash_seconds_round_trip=lambda s, m: 1e9,
+    )
+    assert one_less.cells["selective"] >= k
+
+
+def test_chronos_offload_only_takes_cells_whose_wait_hides_the_round_trip():
+    config = get_config("tiny")
+    schedule = generate("1f1b", 4, 8)
+
+    def device_bytes(policy):
+        return predict(config, schedule, policy, batch=32, seq=64).max_device_bytes
+
+    waits = reuse_distances(schedule, UNIT)
+    threshold = sorted(w for w, _, _ in waits)[len(waits) // 2]
+    choice = chronos_policy(
+        schedule, device_bytes, 0.0, UNIT, [Move("offload-stash", 0.0)], stash_seconds_round_trip=lambda s, m: threshold
+    )
+    offloaded = {(s, m) for s, m, sp in choice.policy.cells if sp.offload_stash}
+    assert offloaded and all(w >= threshold for w, s, m in waits if (s, m) in offloaded)
+    assert not choice.fits  # a budget of 0 cannot be met; the generator says so
+
+
+# ---------------------------------------------------------------- the planner
+@pytest.fixture(scope="module")
+def cpu():
+    return get_hardware("cpu")
+
+
+def test_plan_pick_fits_the_compiled_program(cpu):
+    from jaxmem.config import TrainConfig
+    from jaxmem.memory import compare, measure
+    from jaxmem.train import Trainer
+
+    config = get_config("tiny")
+    budget = 12 * 2**20
+    result = plan(
+        config,
+        devices=4,
+        budget_bytes=budget,
+        hardware=cpu,
+        batch=32,
+        seq=64,
+        pipes=[4],
+        schedules=("1f1b", "chronos"),
+        policies=("save-all", "selective", "chronos-recomp"),
+    )
+    best = result.best
+    assert best is not None and best.device_bytes <= budget
+    trainer = Trainer(
+        TrainConfig(
+            schedule=best.schedule, stages=best.pipe, microbatches=best.microbatches, policy=best.policy, steps=1
+        )
+    )
+    report = compare(predict(config, trainer.schedule, best.policy, batch=32, seq=64), measure(trainer))
+    compiled = report["ranks"][0]["compiled_device_bytes"] - report["meta"]["host_space_counted_as_device_on_cpu"]
+    assert compiled <= budget * 1.10, (compiled, budget)
+
+
+def test_plan_agrees_with_brute_force(cpu):
+    config = get_config("tiny")
+    budget = 14 * 2**20
+    schedules, policies = (
+        ("gpipe", "1f1b", "zb-h1", "chronos"),
+        ("save-all", "selective", "recompute-all", "chronos-recomp"),
+    )
+    result = plan(
+        config,
+        devices=4,
+        budget_bytes=budget,
+        hardware=cpu,
+        batch=32,
+        seq=64,
+        pipes=[4],
+        schedules=schedules,
+        policies=policies,
+    )
+    brute = []
+    for name in schedules:
+        for m in (4, 8, 16, 32):
+            for policy in policies:
+                brute.append(
+                    evaluate(
+                        config, generate(name, 4, m), policy, budget=budget, batch=32, seq=64, data=1, hardware=cpu
+                    )
+                )
+    best = max((c for c in brute if c.fits), key=lambda c: c.tokens_per_second)
+    assert (result.best.schedule, result.best.microbatches) == (best.schedule, best.microbatches)
+    assert result.best.tokens_per_second == pytest.approx(best.tokens_per_second)
+
+
+def test_infeasible_budget_names_the_smallest_that_fits(capsys):
+    from jaxmem.cli import main
+
+    code = main(["plan", "--model", "tiny", "--devices", "4", "--budget", "1MiB", "--pipe", "4", "--json"])
+    record = json.loads(capsys.readouterr().out)
+    assert code == 1 and record["fits"] is False
+    assert record["smallest_budget_bytes"] > 2**20
+    assert "nothing fits 1.00 MiB per device" in record["explanation"][0]
+
+
+def test_train_plan_auto_infeasible_is_a_clear_error(capsys):
+    from jaxmem.cli import main
+
+    code = main(["train", "--plan", "auto", "--budget", "1MiB", "--steps", "1", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "smallest plan needs" in err and "--budget" in err
+
+
+def test_plan_error_carries_the_smallest_budget():
+    err = PlanError("x", 123.0)
+    assert err.smallest_budget == 123.0
+
+
+def test_trainable_size_benchmark_runs_small():
+    script = Path(__file__).parent.parent / "benchmarks" / "trainable_size.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--width",
+            "tiny",
+            "--pipe",
+            "2",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "64",
+            "--budget-gib",
+            "0.02",
+            "--no-validate",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(proc.stdout)
+    for key in (
+        "budget_bytes",
+        "host_bandwidth_gbps",
+        "hardware",
+        "methods",
+        "chronos_vs_1f1b_depth_ratio",
+        "chronos_vs_1f1b_throughput_ratio",
+    ):
+        assert key in record
+    assert {m["name"] for m in record["methods"]} >= {"1F1B", "ChronosPipe (all)", "V-Half", "V-Min"}
