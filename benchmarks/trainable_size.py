@@ -79,21 +79,27 @@ def max_depth(base, method, args, hardware, floor=None):
 
 
 def validate_on_cpu(args):
-    """Ledger vs memory_analysis() on depths of a narrow GPT that compile here."""
+    """Ledger vs memory_analysis() on depths of a narrow GPT (the tiny preset's width) that compile here."""
     from jaxmem.config import TrainConfig
     from jaxmem.memory import compare, measure, predict
     from jaxmem.train import Trainer
 
     rows = []
     for layers in (8, 16):
+        model = dataclasses.replace(get_config("tiny"), n_layers=layers)
         for schedule, policy in (("1f1b", "save-all"), ("chronos", "save-all"), ("chronos", "selective")):
             config = TrainConfig(
-                schedule=schedule, stages=4, microbatches=8, batch_size=32, seq_len=64, policy=policy, steps=1
+                model=model,
+                schedule=schedule,
+                stages=4,
+                microbatches=8,
+                batch_size=32,
+                seq_len=64,
+                policy=policy,
+                steps=1,
             )
-            trainer = Trainer(dataclasses.replace(config))
-            trainer_config = dataclasses.replace(trainer.model_config, n_layers=layers)
-            trainer = _trainer_with_layers(config, layers)
-            predicted = predict(trainer_config, trainer.schedule, policy, batch=32, seq=64)
+            trainer = Trainer(config)
+            predicted = predict(model, trainer.schedule, policy, batch=32, seq=64)
             report = compare(predicted, measure(trainer))
             rows.append(
                 {
@@ -112,15 +118,6 @@ def validate_on_cpu(args):
                 file=sys.stderr,
             )
     return rows
-
-
-def _trainer_with_layers(config, layers):
-    from jaxmem.models import gpt
-    from jaxmem.train import Trainer
-
-    name = f"tiny-{layers}"
-    gpt.PRESETS[name] = dataclasses.replace(gpt.PRESETS["tiny"], n_layers=layers)
-    return Trainer(dataclasses.replace(config, model=name))
 
 
 def main(argv=None):

@@ -15,7 +15,7 @@ class TrainConfig:
     """Everything a training run needs; every field has a CLI flag of the same name.
 
     Attributes:
-        model: model preset (``tiny``, ``gpt2-small``, ``gpt2-medium``, ``gpt2-xl``).
+        model: model preset (``tiny``, ``gpt2-small``, ``gpt2-medium``, ``gpt2-xl``) or a GPTConfig.
         schedule: schedule name, or None when ``schedule_csv`` is given.
         schedule_csv: a schedule table to run instead of a generated one.
         stages: pipeline ranks P.
@@ -38,7 +38,7 @@ class TrainConfig:
             tpu-v5p on TPU).
     """
 
-    model: str = "tiny"
+    model: object = "tiny"
     schedule: str | None = "1f1b"
     schedule_csv: str | None = None
     stages: int = 4

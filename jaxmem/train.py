@@ -250,7 +250,7 @@ def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | Non
         "data_parallel": config.data_parallel,
         "devices": config.data_parallel * config.stages,
         "platform": jax.devices()[0].platform,
-        "model": config.model,
+        "model": config.model if isinstance(config.model, str) else "custom",
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "policy": None if config.policy is None else str(config.policy),

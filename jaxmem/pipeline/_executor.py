@@ -266,7 +266,12 @@ class Pipeline:
         col = {name: i for i, name in enumerate(COLUMNS)}
         keys, windows = tick.stash_keys, tick.window
         stash_cols = [tick.stash_column(ki) for ki in range(len(keys))]
-        table = jnp.asarray(tick.table)
+        if tick.table.max(initial=0) >= 2**31 or max(tick.arena_elems, default=0) >= 2**31:
+            raise JaxmemError(
+                f"a stash arena of {max(tick.arena_elems):,} elements exceeds what int32 indexing reaches (2^31); "
+                "use more pipeline stages or microbatches (smaller microbatches), or a recompute policy"
+            )
+        table = jnp.asarray(tick.table.astype(np.int32))
         weights_on_host = self.weights_on_host
 
         def body(stage_params, shared, tokens, targets, table_local):

@@ -67,7 +67,7 @@ class TickProgram:
         cell_class: class index of every (stage, microbatch).
         local_stage: index of every stage among its rank's stages.
         branches: ``(class index, kind)`` for every non-idle branch.
-        table: ``[P, num_ticks, len(COLUMNS) + 2 * len(offsets) + len(stash_keys)]`` int32: the
+        table: ``[P, num_ticks, len(COLUMNS) + 2 * len(offsets) + len(stash_keys)]`` int64: the
             named columns; per ppermute offset, the activation slot and the gradient slot an incoming
             message is written to; per stash arena, the offset the action's residuals live at.
         act_slots / grad_slots: live slots of the message buffers (index ``act_slots`` is the trash).
@@ -285,7 +285,7 @@ def build_tick_program(
             branches.append(key)
 
     width = len(COLUMNS) + 2 * len(offsets) + len(stash_keys)
-    table = np.zeros((num_ranks, num_ticks, width), np.int32)
+    table = np.zeros((num_ranks, num_ticks, width), np.int64)
     col = {name: i for i, name in enumerate(COLUMNS)}
     table[:, :, col["send"]] = len(offsets)
     table[:, :, col["local_act"]] = act_trash
