@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxmem.plan._layout import assign_offsets
 from jaxmem.schedule import Action, Kind, Schedule, lockstep_ticks, validate
 from jaxmem.schedule._table import ScheduleError
 
@@ -152,34 +153,10 @@ def _peak_live(intervals: list[tuple[int, int, object]]) -> int:
     return peak
 
 
-def _first_fit(items, order_key) -> tuple[dict, int]:
-    placed: list[tuple[int, int, int, int]] = []  # (offset, size, produced, consumed)
-    offset_of = {}
-    for produced, consumed, key, size in sorted(items, key=order_key):
-        if size == 0:
-            offset_of[key] = 0
-            continue
-        busy = sorted((o, o + n) for o, n, p, q in placed if p < consumed and produced < q)
-        offset = 0
-        for start, end in busy:
-            if offset + size <= start:
-                break
-            offset = max(offset, end)
-        placed.append((offset, size, produced, consumed))
-        offset_of[key] = offset
-    return offset_of, max((o + n for o, n, _, _ in placed), default=0)
-
-
 def _assign_offsets(items: list[tuple[int, int, object, int]]) -> tuple[dict, int]:
-    """Offsets in one arena for items ``(produced, consumed, key, size)`` with half-open lifetimes
-    ``(produced, consumed]``, so that items alive at the same time never overlap.
-
-    Two first-fit heuristics -- largest item first (TFLite's greedy-by-size) and earliest lifetime
-    first -- and the shorter arena wins: greedy-by-size is best for mixed sizes, lifetime order for
-    the regular streams a pipeline schedule makes."""
-    by_size = _first_fit(items, lambda x: (-x[3], x[0], x[1]))
-    by_time = _first_fit(items, lambda x: (x[0], -x[3], x[1]))
-    return min(by_size, by_time, key=lambda r: r[1])
+    """Arena offsets for stash items ``(produced, consumed, key, size)`` with half-open lifetimes
+    ``(produced, consumed]`` (written at the end of tick ``produced``, last read at ``consumed``)."""
+    return assign_offsets([(p + 1, q, key, size) for p, q, key, size in items])
 
 
 def build_tick_program(

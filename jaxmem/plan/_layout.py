@@ -1,0 +1,99 @@
+"""Memory layout: an offset for every tensor in one arena, no two tensors with overlapping lifetimes
+overlapping in address. Pure Python (no JAX): the pipeline executor's stash arenas use it too."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+__all__ = ["Layout", "assign_offsets", "greedy_by_size", "improve_layout", "check_layout"]
+
+# An item is (first, last, key, size): alive from step ``first`` through step ``last`` (inclusive).
+Item = tuple
+
+
+def _overlap(a_first, a_last, b_first, b_last) -> bool:
+    return a_first <= b_last and b_first <= a_last
+
+
+def _first_fit(items, order_key) -> tuple[dict, int]:
+    placed: list[tuple[int, int, int, int]] = []  # (offset, size, first, last)
+    offset_of = {}
+    for first, last, key, size in sorted(items, key=order_key):
+        if size == 0:
+            offset_of[key] = 0
+            continue
+        busy = sorted((o, o + n) for o, n, f, l in placed if _overlap(f, l, first, last))
+        offset = 0
+        for start, end in busy:
+            if offset + size <= start:
+                break
+            offset = max(offset, end)
+        placed.append((offset, size, first, last))
+        offset_of[key] = offset
+    return offset_of, max((o + n for o, n, _, _ in placed), default=0)
+
+
+def greedy_by_size(items) -> tuple[dict, int]:
+    """Largest tensor first, each at the lowest offset free for its lifetime (TFLite's arena planner)."""
+    return _first_fit(items, lambda x: (-x[3], x[0], x[1]))
+
+
+def assign_offsets(items) -> tuple[dict, int]:
+    """The better of greedy-by-size and earliest-lifetime-first (regular streams pack better in time
+    order)."""
+    return min(greedy_by_size(items), _first_fit(items, lambda x: (x[0], -x[3], x[1])), key=lambda r: r[1])
+
+
+def improve_layout(items, rounds: int = 64, seed: int = 0) -> tuple[dict, int]:
+    """Improvement pass: several first-fit orders (by size, by size x lifetime, by start, by end), then
+    random perturbations of the best order (swap two items, keep if the arena does not grow)."""
+    items = list(items)
+    candidates = [
+        lambda x: (-x[3], x[0], x[1]),
+        lambda x: (-(x[3] * (x[1] - x[0] + 1)), x[0]),
+        lambda x: (x[0], -x[3]),
+        lambda x: (-x[1], -x[3]),
+        lambda x: (-(x[1] - x[0]), -x[3]),
+    ]
+    best_order, best = None, None
+    for key in candidates:
+        order = sorted(items, key=key)
+        result = _first_fit(order, lambda x, pos={id(i): n for n, i in enumerate(order)}: pos[id(x)])
+        if best is None or result[1] < best[1]:
+            best, best_order = result, order
+    rng = random.Random(seed)
+    order = list(best_order)
+    for _ in range(rounds if len(order) > 1 else 0):
+        i, j = rng.randrange(len(order)), rng.randrange(len(order))
+        order[i], order[j] = order[j], order[i]
+        result = _first_fit(order, lambda x, pos={id(it): n for n, it in enumerate(order)}: pos[id(x)])
+        if result[1] <= best[1]:
+            best = result
+        else:
+            order[i], order[j] = order[j], order[i]
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    offsets: dict
+    arena: int
+    peak_live: int
+
+    @property
+    def fragmentation(self) -> int:
+        return self.arena - self.peak_live
+
+
+def check_layout(items, offsets: dict) -> None:
+    """Raise ValueError if two tensors alive at the same time overlap in the arena."""
+    items = [i for i in items if i[3] > 0]
+    for a in range(len(items)):
+        fa, la, ka, sa = items[a]
+        for b in range(a + 1, len(items)):
+            fb, lb, kb, sb = items[b]
+            if _overlap(fa, la, fb, lb):
+                oa, ob = offsets[ka], offsets[kb]
+                if oa < ob + sb and ob < oa + sa:
+                    raise ValueError(f"tensors {ka} and {kb} are alive together and overlap in the arena")
