@@ -110,7 +110,7 @@ def simulate_caching_allocator(graph, order) -> int:
     intervals = lifetimes(graph, order)
     alloc = CachingAllocator()
     frees_at: dict[int, list[int]] = {}
-    for t, (first, last) in intervals.items():
+    for t, (_, last) in intervals.items():
         frees_at.setdefault(last, []).append(t)
     for t in graph.inputs:
         if t in intervals:

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-__all__ = ["Graph", "Op", "build_graph"]
+__all__ = ["ELEMENTWISE", "Graph", "Op", "build_graph", "fuse_elementwise"]
 
 _INLINE = {
     "jit",
@@ -41,6 +41,7 @@ class Op:
     eqn: object = dataclasses.field(default=None, repr=False)
     # For execution: the equation's input/output variables in this graph's tensor ids (None = literal).
     literal_inputs: tuple = ()
+    parts: list = dataclasses.field(default_factory=list, repr=False)  # fused ops: the original ops
 
 
 @dataclasses.dataclass
@@ -206,3 +207,125 @@ def build_graph(jaxpr, donated=(), inputs_are_free: bool = False) -> Graph:
             outputs.append(env[v])
     donated_ids = {inputs[i] for i in donated if i < len(jaxpr.invars)}
     return Graph(ops, sizes, inputs, donated_ids, outputs, avals=avals, const_values=const_values).finalize()
+
+
+# Primitives an eager framework runs as one fused kernel with their neighbours, and XLA fuses: their
+# intermediate results need never be materialised.
+ELEMENTWISE = {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "max",
+    "min",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "tanh",
+    "logistic",
+    "sqrt",
+    "rsqrt",
+    "integer_pow",
+    "pow",
+    "square",
+    "abs",
+    "sign",
+    "select_n",
+    "convert_element_type",
+    "erf",
+    "erf_inv",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "and",
+    "or",
+    "not",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "stop_gradient",
+    "copy",
+    "copy_p",
+    "name",
+    "cos",
+    "sin",
+    "floor",
+    "ceil",
+    "round",
+    "clamp",
+    "is_finite",
+    "nextafter",
+    "iota",
+}
+
+
+def fuse_elementwise(graph: Graph) -> Graph:
+    """Merge every elementwise op whose result has exactly one reader into that reader, so chains such
+    as a GELU or an Adam update become one op and their intermediates take no memory (as in a fused
+    kernel). Fused ops keep their parts, in order, for execution."""
+    alive = {op.index: op for op in graph.ops}
+    parts = {op.index: [op] for op in graph.ops}
+    inputs = {op.index: list(op.inputs) for op in graph.ops}
+    outputs = {op.index: list(op.outputs) for op in graph.ops}
+    consumers = {t: list(c) for t, c in enumerate(graph.consumers)}
+    owner = {t: graph.producer[t] for t in range(len(graph.sizes))}
+    keep = set(graph.outputs)
+    for op in graph.ops:  # program order: producers merge forward into their single reader
+        if op.name not in ELEMENTWISE or len(op.outputs) != 1:
+            continue
+        t = op.outputs[0]
+        readers = set(consumers[t])
+        if len(readers) != 1 or t in keep:
+            continue
+        reader = readers.pop()
+        group = owner[t]
+        if reader == group:
+            continue
+        # Merge the producer's group into the reader's group.
+        parts[reader] = parts[group] + parts[reader]
+        merged_outputs = [x for x in outputs[group] if x != t] + outputs[reader]
+        merged_inputs = [x for x in inputs[group] + inputs[reader] if x != t]
+        for x in outputs[group]:
+            owner[x] = reader
+        inputs[reader], outputs[reader] = list(dict.fromkeys(merged_inputs)), merged_outputs
+        for x in set(inputs[group]):
+            consumers[x] = [reader if c == group else c for c in consumers[x]]
+            consumers[x] = list(dict.fromkeys(consumers[x]))
+        consumers[t] = []
+        del alive[group], parts[group], inputs[group], outputs[group]
+    new_ops, index_of = [], {}
+    for old in sorted(alive):
+        op = alive[old]
+        fused = Op(
+            len(new_ops),
+            op.name if len(parts[old]) == 1 else f"fused({len(parts[old])})",
+            tuple(inputs[old]),
+            tuple(outputs[old]),
+            sum(p.transient for p in parts[old]),
+            op.eqn,
+            op.literal_inputs,
+        )
+        fused.parts = parts[old]
+        index_of[old] = fused.index
+        new_ops.append(fused)
+    sizes = list(graph.sizes)
+    internal = {t for old in alive for p in parts[old] for t in p.outputs} - {t for old in alive for t in outputs[old]}
+    for t in internal:
+        sizes[t] = 0
+    fused_graph = Graph(
+        new_ops,
+        sizes,
+        list(graph.inputs),
+        set(graph.donated),
+        list(graph.outputs),
+        avals=graph.avals,
+        const_values=graph.const_values,
+    )
+    return fused_graph.finalize()

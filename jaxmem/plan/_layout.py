@@ -16,22 +16,43 @@ def _overlap(a_first, a_last, b_first, b_last) -> bool:
     return a_first <= b_last and b_first <= a_last
 
 
-def _first_fit(items, order_key) -> tuple[dict, int]:
-    placed: list[tuple[int, int, int, int]] = []  # (offset, size, first, last)
+def _place_in_order(items) -> tuple[dict, int]:
+    """First fit, items taken in the given order: each at the lowest offset not used by an already
+    placed item whose lifetime overlaps (overlap tests vectorised with NumPy)."""
+    import numpy as np
+
+    items = list(items)
+    n = len(items)
+    firsts = np.empty(n, np.int64)
+    lasts = np.empty(n, np.int64)
+    starts = np.empty(n, np.int64)
+    ends = np.empty(n, np.int64)
+    count = 0
     offset_of = {}
-    for first, last, key, size in sorted(items, key=order_key):
+    top = 0
+    for first, last, key, size in items:
         if size == 0:
             offset_of[key] = 0
             continue
-        busy = sorted((o, o + n) for o, n, f, l in placed if _overlap(f, l, first, last))
         offset = 0
-        for start, end in busy:
-            if offset + size <= start:
-                break
-            offset = max(offset, end)
-        placed.append((offset, size, first, last))
+        if count:
+            mask = (firsts[:count] <= last) & (first <= lasts[:count])
+            if mask.any():
+                s_busy, e_busy = starts[:count][mask], ends[:count][mask]
+                order = np.argsort(s_busy, kind="stable")
+                for start, end in zip(s_busy[order].tolist(), e_busy[order].tolist()):
+                    if offset + size <= start:
+                        break
+                    offset = max(offset, end)
+        firsts[count], lasts[count], starts[count], ends[count] = first, last, offset, offset + size
+        count += 1
         offset_of[key] = offset
-    return offset_of, max((o + n for o, n, _, _ in placed), default=0)
+        top = max(top, offset + size)
+    return offset_of, top
+
+
+def _first_fit(items, order_key) -> tuple[dict, int]:
+    return _place_in_order(sorted(items, key=order_key))
 
 
 def greedy_by_size(items) -> tuple[dict, int]:
@@ -59,7 +80,7 @@ def improve_layout(items, rounds: int = 64, seed: int = 0) -> tuple[dict, int]:
     best_order, best = None, None
     for key in candidates:
         order = sorted(items, key=key)
-        result = _first_fit(order, lambda x, pos={id(i): n for n, i in enumerate(order)}: pos[id(x)])
+        result = _place_in_order(order)
         if best is None or result[1] < best[1]:
             best, best_order = result, order
     rng = random.Random(seed)
@@ -67,7 +88,7 @@ def improve_layout(items, rounds: int = 64, seed: int = 0) -> tuple[dict, int]:
     for _ in range(rounds if len(order) > 1 else 0):
         i, j = rng.randrange(len(order)), rng.randrange(len(order))
         order[i], order[j] = order[j], order[i]
-        result = _first_fit(order, lambda x, pos={id(it): n for n, it in enumerate(order)}: pos[id(x)])
+        result = _place_in_order(order)
         if result[1] <= best[1]:
             best = result
         else:

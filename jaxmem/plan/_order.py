@@ -58,7 +58,10 @@ def _reach_masks(graph: Graph) -> list[int]:
     return op_reach
 
 
-def _cones(graph: Graph, cone_outputs: int) -> list[list[int]]:
+def _cones(graph: Graph, cone_outputs: int, max_cone_ops: int = 256) -> list[list[int]]:
+    """Connected groups of ops that reach only a few of many outputs (see the module docstring)."""
+    if len(graph.outputs) < 4 * cone_outputs:
+        return []  # a graph with few outputs has no per-output tails worth separating
     reach = _reach_masks(graph)
     small = [r != 0 and bin(r).count("1") <= cone_outputs for r in reach]
     parent = list(range(graph.num_ops))
@@ -79,7 +82,7 @@ def _cones(graph: Graph, cone_outputs: int) -> list[list[int]]:
     for op in graph.ops:
         if small[op.index]:
             groups.setdefault(find(op.index), []).append(op.index)
-    return [sorted(g) for g in groups.values()]
+    return [sorted(g) for g in groups.values() if len(g) <= max_cone_ops]
 
 
 class _State:
@@ -164,7 +167,7 @@ def _leaf_order(state: _State, task: list[int], exact_limit: int) -> list[int]:
         return _greedy_leaf(state, ops, need)
     # Tensors whose release depends on this task: freed when all their still-pending consumers ran.
     tensors = {}
-    for i, o in enumerate(ops):
+    for o in ops:
         for t in set(graph.ops[o].inputs) | set(graph.ops[o].outputs):
             if t in tensors or t in state.keep:
                 continue

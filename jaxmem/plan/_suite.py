@@ -1,0 +1,118 @@
+"""Train-step graphs to plan: a GPT with an Adam update (abstractly traced for the big presets), and a
+multi-branch model where operator order matters."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxmem.models.gpt import GPT, GPTConfig, get_config
+
+__all__ = ["TrainStep", "gpt_train_step", "experts_train_step"]
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """A train step ready to trace: ``fn(*args)``, abstract args, and which args are donated."""
+
+    name: str
+    fn: object
+    args: tuple
+    donated: tuple[int, ...]  # flat indices of donated leaves
+    make_args: object = dataclasses.field(default=None, repr=False)  # seed -> concrete args
+
+    def jaxpr(self):
+        return jax.make_jaxpr(self.fn)(*self.args)
+
+    def concrete_args(self, seed: int = 0):
+        """Real arrays for the args: initialised parameters and optimizer state, a random batch."""
+        return self.make_args(seed)
+
+
+def _adam_step(loss_of, params, batch_args, name: str, init_params) -> TrainStep:
+    tx = optax.adam(1e-3)
+    opt_state = jax.eval_shape(tx.init, params)
+
+    def step(params, opt_state, *batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_of(p, *batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def make_args(seed: int):
+        real = init_params(seed)
+        keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(batch_args))
+        batch = [
+            jax.random.randint(k, a.shape, 0, 256, a.dtype)
+            if jnp.issubdtype(a.dtype, jnp.integer)
+            else jax.random.normal(k, a.shape, a.dtype)
+            for k, a in zip(keys, batch_args)
+        ]
+        return (real, tx.init(real), *batch)
+
+    donated = tuple(range(len(jax.tree.leaves(params)) + len(jax.tree.leaves(opt_state))))
+    return TrainStep(name, step, (params, opt_state, *batch_args), donated, make_args)
+
+
+def gpt_train_step(model: str | GPTConfig = "tiny", *, batch: int = 4, seq: int | None = None) -> TrainStep:
+    """The plain (unpipelined) train step of a GPT preset with Adam, traced with abstract arrays."""
+    config = get_config(model)
+    seq = seq or config.max_seq_len
+    abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.graphdef(abstract), nnx.to_pure_dict(nnx.state(abstract))
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+    def loss_of(p, tokens, targets):
+        return nnx.merge(graphdef, p).loss(tokens, targets)
+
+    name = model if isinstance(model, str) else "gpt"
+
+    def init_params(seed):
+        return nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(seed))))
+
+    return _adam_step(loss_of, params, (tokens, tokens), f"{name} train step (batch {batch}, seq {seq})", init_params)
+
+
+class Experts(nnx.Module):
+    """Parallel experts written the natural way: every expert's expansion, then every contraction --
+    so program order keeps all the wide hidden activations alive at once."""
+
+    def __init__(self, d: int, hidden: int, experts: int, *, rngs: nnx.Rngs):
+        self.up = nnx.List([nnx.Linear(d, hidden, rngs=rngs) for _ in range(experts)])
+        self.down = nnx.List([nnx.Linear(hidden, d, rngs=rngs) for _ in range(experts)])
+
+    def __call__(self, x):
+        hidden = [jax.nn.gelu(up(x)) for up in self.up]
+        return x + sum(down(h) for down, h in zip(self.down, hidden))
+
+
+class ExpertsNet(nnx.Module):
+    def __init__(self, d: int = 64, hidden: int = 1024, experts: int = 8, blocks: int = 2, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Experts(d, hidden, experts, rngs=rngs) for _ in range(blocks)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def experts_train_step(
+    *, batch: int = 64, d: int = 64, hidden: int = 1024, experts: int = 8, blocks: int = 2
+) -> TrainStep:
+    """A multi-branch (parallel experts) regression model's train step with Adam."""
+    abstract = nnx.eval_shape(lambda: ExpertsNet(d, hidden, experts, blocks, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.graphdef(abstract), nnx.to_pure_dict(nnx.state(abstract))
+    x = jax.ShapeDtypeStruct((batch, d), jnp.float32)
+
+    def loss_of(p, x, y):
+        return jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+
+    def init_params(seed):
+        return nnx.to_pure_dict(nnx.state(ExpertsNet(d, hidden, experts, blocks, rngs=nnx.Rngs(seed))))
+
+    return _adam_step(
+        loss_of, params, (x, x), f"parallel experts x{experts} (batch {batch}, hidden {hidden})", init_params
+    )
