@@ -36,6 +36,13 @@ class TrainConfig:
         budget: device bytes per device for ``plan="auto"``.
         hardware: hardware profile for the planner (``auto``: measured here on CPU, h100 on GPU,
             tpu-v5p on TPU).
+        adaptive: run under the online profiler (``jaxmem.profiler``), which picks a memory policy per
+            program signature within ``budget``.
+        seq_len_schedule: sequence-length buckets for an adaptive run (each at most ``seq_len``).
+        seq_len_order: ``cycle`` through the buckets or draw them at ``random``.
+        layer_drop: probability that a step skips one randomly chosen layer (decided in Python, so a
+            different program).
+        profile_report: JSON file for the profiler's per-signature table.
     """
 
     model: object = "tiny"
@@ -57,6 +64,11 @@ class TrainConfig:
     plan: str | None = None
     budget: float | None = None
     hardware: str = "auto"
+    adaptive: bool = False
+    seq_len_schedule: tuple[int, ...] | None = None
+    seq_len_order: str = "cycle"
+    layer_drop: float = 0.0
+    profile_report: str | None = None
 
     def __post_init__(self):
         for field in ("stages", "microbatches", "data_parallel", "steps", "seq_len", "batch_size"):
@@ -67,6 +79,21 @@ class TrainConfig:
             raise JaxmemError(f"lr must be > 0, got {self.lr}")
         if self.plan not in (None, "auto"):
             raise JaxmemError(f"--plan takes 'auto', got {self.plan!r}")
+        if self.adaptive and not self.budget:
+            raise JaxmemError("--adaptive needs --budget (device memory per device, e.g. 14MiB)")
+        if self.adaptive and self.plan:
+            raise JaxmemError("use either --plan auto or --adaptive, not both")
+        if not 0.0 <= self.layer_drop < 1.0:
+            raise JaxmemError(f"--layer-drop is a probability in [0, 1), got {self.layer_drop}")
+        if self.seq_len_order not in ("cycle", "random"):
+            raise JaxmemError(f"--seq-len-order is cycle or random, got {self.seq_len_order!r}")
+        if self.seq_len_schedule is not None:
+            buckets = tuple(int(x) for x in self.seq_len_schedule)
+            if not buckets or min(buckets) < 1:
+                raise JaxmemError(f"--seq-len-schedule needs lengths >= 1, got {list(buckets)}")
+            object.__setattr__(self, "seq_len_schedule", buckets)
+            if max(buckets) > self.seq_len:
+                object.__setattr__(self, "seq_len", max(buckets))
         if self.plan == "auto" and not self.budget:
             raise JaxmemError("--plan auto needs --budget (device memory per device, e.g. 12MiB or 24GiB)")
         if self.layers_per_stage is not None:

@@ -105,7 +105,12 @@ class Trainer:
         )
 
     def _build_step(self):
-        grad_fn = self.pipeline.grad_fn(self.config.batch_size, self.config.seq_len)
+        return self.build_step(self.pipeline, self.config.batch_size, self.config.seq_len)
+
+    def build_step(self, pipeline: Pipeline, batch: int, seq: int):
+        """The jitted train step of ``pipeline`` (same parameter layout as this trainer's) for a batch
+        shape; compiled on first call."""
+        grad_fn = pipeline.grad_fn(batch, seq)
         optimizer = self.optimizer
 
         def step(params, opt_state, tokens, targets):
@@ -116,7 +121,7 @@ class Trainer:
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        out_shardings = (self.pipeline.shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
+        out_shardings = (pipeline.shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
         return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
     @property
@@ -197,6 +202,8 @@ def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | Non
         config, plan_record = apply_plan(
             config, log=(lambda line: Console(stderr=True).print(line)) if progress else (lambda line: None)
         )
+    if config.adaptive:
+        return train_adaptive(config, progress=progress)
     trainer = Trainer(config)
     state = trainer.init_state()
     console = Console(stderr=True)
@@ -255,4 +262,79 @@ def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | Non
         "seq_len": config.seq_len,
         "policy": None if config.policy is None else str(config.policy),
         "plan": plan_record and plan_record["best"],
+    }
+
+
+def adaptive_workload(config: TrainConfig):
+    """The varying workload of an adaptive run: per step, (sequence length, dropped layers)."""
+    import random
+
+    rng = random.Random(config.seed)
+    buckets = config.seq_len_schedule or (config.seq_len,)
+    n_layers = config.model_config().n_layers
+    for step in range(config.steps):
+        seq = buckets[step % len(buckets)] if config.seq_len_order == "cycle" else rng.choice(buckets)
+        drop = (
+            frozenset({rng.randrange(n_layers)})
+            if config.layer_drop and rng.random() < config.layer_drop
+            else frozenset()
+        )
+        yield seq, drop
+
+
+def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
+    """Training under the online profiler: the program changes with the workload, the policy follows."""
+    from rich.console import Console
+
+    from jaxmem.profiler import AdaptiveProfiler
+
+    trainer = Trainer(config)
+    state = trainer.init_state()
+    hardware = None if config.hardware == "auto" else config.hardware
+    profiler = AdaptiveProfiler(trainer, config.budget, hardware=hardware)
+    console = Console(stderr=True)
+    losses, tokens, start = [], 0, time.perf_counter()
+    known = 0
+    for i, (seq, drop) in enumerate(adaptive_workload(config)):
+        data = dataclasses.replace(state.data, seq_len=seq)
+        batch = data.batch_at(state.data.position)
+        tok, tgt = trainer.put_batch(batch)
+        state, loss = profiler.step(state, tok, tgt, drop)
+        state = dataclasses.replace(
+            state, data=dataclasses.replace(state.data, position=state.data.position + config.batch_size)
+        )
+        losses.append(float(loss))
+        tokens += config.batch_size * seq
+        if progress and len(profiler.records) > known:
+            record = profiler.records[-1]
+            console.print(
+                f"step {i + 1}: new program [{record.label}] -> policy {record.policy}, "
+                f"{record.compiled_bytes / 2**20:.2f} MiB compiled (budget {config.budget / 2**20:.2f} MiB), "
+                f"{record.compiles} compile(s), {record.adapt_seconds:.1f}s"
+            )
+            known = len(profiler.records)
+        elif progress and (i + 1) % 10 == 0:
+            console.print(f"step {i + 1}/{config.steps}: loss {losses[-1]:.3f}")
+    seconds = time.perf_counter() - start
+    report = profiler.report()
+    if config.profile_report:
+        profiler.write_report(config.profile_report)
+    violations = sum(1 for r in profiler.records if r.compiled_bytes > config.budget)
+    return {
+        "steps": len(losses),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "tokens_per_second": tokens / seconds,
+        "seconds": seconds,
+        "schedule": trainer.schedule.name,
+        "stages": config.stages,
+        "microbatches": config.microbatches,
+        "devices": config.data_parallel * config.stages,
+        "model": config.model if isinstance(config.model, str) else "custom",
+        "adaptive": True,
+        "budget_bytes": int(config.budget),
+        "budget_violations": violations,
+        "signatures": len(profiler.records),
+        "compiles": profiler.compile_count,
+        "profile": report,
     }

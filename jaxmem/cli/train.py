@@ -49,6 +49,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
     g.add_argument("--budget", help="device memory per device for --plan auto, e.g. 12MiB, 24GiB")
     g.add_argument("--hardware", help="planner hardware profile (default: measured here on CPU)")
+    g = p.add_argument_group("adaptive memory policy (online profiler)")
+    g.add_argument(
+        "--adaptive",
+        action="store_true",
+        default=None,
+        help="pick a memory policy per program signature within --budget",
+    )
+    g.add_argument("--seq-len-schedule", help="sequence-length buckets, e.g. 32,64,128 (a new program each)")
+    g.add_argument("--seq-len-order", choices=["cycle", "random"], help="cycle the buckets (default) or draw them")
+    g.add_argument("--layer-drop", type=float, help="probability a step skips one random layer (default 0)")
+    g.add_argument("--profile-report", metavar="FILE.json", help="write the per-signature table")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, help="optimizer steps (default 300)")
     g.add_argument("--lr", type=float, help="Adam learning rate (default 3e-3)")
@@ -90,6 +101,8 @@ def config_from_args(args) -> object:
         flag_value = getattr(args, name, None)
         if flag_value is not None:
             values[name] = flag_value
+    if isinstance(values.get("seq_len_schedule"), str):
+        values["seq_len_schedule"] = parse_int_list(values["seq_len_schedule"], "--seq-len-schedule")
     if isinstance(values.get("budget"), str):
         from jaxmem.cli._common import parse_bytes
 
@@ -114,6 +127,18 @@ def run(args) -> int:
     summary = train(config, progress=not args.quiet)
     if args.json:
         print_json(summary)
+    elif summary.get("adaptive"):
+        print(
+            f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
+            f"{summary['signatures']} programs, {summary['compiles']} compiles, "
+            f"{summary['budget_violations']} budget violations"
+        )
+        for row in summary["profile"]["signatures"]:
+            print(
+                f"  {row['signature']:40s} {row['policy']:14s} predicted {row['predicted_device_bytes'] / 2**20:7.2f} "
+                f"MiB compiled {row['compiled_device_bytes'] / 2**20:7.2f} MiB  seen {row['times_seen']:3d}  "
+                f"step {row['step_seconds'] or 0:.3f}s"
+            )
     else:
         print(
             f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "

@@ -82,7 +82,7 @@ class Ledger:
         }
 
 
-def _setup(config, schedule, policy, batch, seq, data_parallel, layer_counts):
+def _setup(config, schedule, policy, batch, seq, data_parallel, layer_counts, drop_layers=frozenset()):
     from jaxmem.pipeline._split import split_layers
     from jaxmem.pipeline._ticks import cell_classes
 
@@ -94,7 +94,7 @@ def _setup(config, schedule, policy, batch, seq, data_parallel, layer_counts):
 
         raise JaxmemError(f"batch {batch} is not divisible by data-parallel ({data_parallel}) x microbatches ({M})")
     mb = batch // (data_parallel * M)
-    return resolved, counts, mb, cell_classes(schedule, counts, resolved)
+    return resolved, counts, mb, cell_classes(schedule, counts, resolved, drop_layers)
 
 
 def predict(
@@ -107,6 +107,7 @@ def predict(
     data_parallel: int = 1,
     layer_counts=None,
     optimizer_moments: int = 2,
+    drop_layers=frozenset(),
 ) -> Ledger:
     """The analytical ledger: no tracing, no compiling.
 
@@ -118,10 +119,11 @@ def predict(
         data_parallel: data-parallel replicas.
         layer_counts: layers per stage (balanced when None).
         optimizer_moments: optimizer state per parameter, in parameter-sized arrays (Adam: 2).
+        drop_layers: global indices of layers skipped this step (layer drop).
     """
     from jaxmem.pipeline._ticks import build_tick_program
 
-    resolved, counts, mb, cells = _setup(config, schedule, policy, batch, seq, data_parallel, layer_counts)
+    resolved, counts, mb, cells = _setup(config, schedule, policy, batch, seq, data_parallel, layer_counts, drop_layers)
     itemsize = np.dtype(config.dtype).itemsize
     block_elems, shared_elems = param_counts(config)
     virtual = schedule.num_stages // schedule.num_ranks
@@ -147,12 +149,18 @@ def predict(
     for c in dict.fromkeys(cells.values()):
         sp = resolved.variants[c.variant]
         dev, host = stage_residual_bytes(
-            config, layers=c.layers, first=c.first, last=c.last, microbatch=mb, seq=seq, policy=sp
+            config, layers=c.layers - len(c.skip), first=c.first, last=c.last, microbatch=mb, seq=seq, policy=sp
         )
         dtype = np.dtype(config.dtype).name
         class_sizes[c] = {k: v // itemsize for k, v in (((dtype, "device"), dev), ((dtype, "host"), host)) if v}
         full, _ = stage_residual_bytes(
-            config, layers=c.layers, first=c.first, last=c.last, microbatch=mb, seq=seq, policy=PRESETS["save-all"]
+            config,
+            layers=c.layers - len(c.skip),
+            first=c.first,
+            last=c.last,
+            microbatch=mb,
+            seq=seq,
+            policy=PRESETS["save-all"],
         )
         full_volume = max(full_volume, full)
         recomputed = max(recomputed, full - dev - host)

@@ -104,6 +104,7 @@ class Pipeline:
         mesh: axes ``("data", "pipe")``; ``pipe`` must equal the schedule's ranks.
         layer_counts: layers per stage (balanced when omitted).
         policy: a memory policy spec (see :func:`jaxmem.policy.from_spec`); ``save-all`` by default.
+        drop_layers: global indices of layers skipped (layer drop: a different program per set).
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
     step (see ``examples/train_flax.py``).
@@ -117,6 +118,7 @@ class Pipeline:
         *,
         layer_counts: Sequence[int] | None = None,
         policy=None,
+        drop_layers: frozenset[int] = frozenset(),
     ):
         validate(schedule)
         if tuple(mesh.axis_names) != AXES:
@@ -136,7 +138,8 @@ class Pipeline:
         self.pieces = GPTPieces.create(config)
         self.policy: ResolvedPolicy = from_spec(policy).resolve(schedule)
         self.virtual = per_rank.pop()
-        self.cell_classes = cell_classes(schedule, self.layer_counts, self.policy)
+        self.drop_layers = frozenset(drop_layers)
+        self.cell_classes = cell_classes(schedule, self.layer_counts, self.policy, self.drop_layers)
         # Weights on host per local position (the policy checked this is consistent across ranks).
         self.weights_on_host = tuple(self.policy.offload_weights(schedule.stages_of(0)[v]) for v in range(self.virtual))
         self.optimizer_state_on_host = tuple(
@@ -213,7 +216,7 @@ class Pipeline:
     # ------------------------------------------------------------------ the program
     def stage_fn(self, c: StageClass):
         """The stage function of a class, wrapped in its policy's ``jax.checkpoint``."""
-        fn = self.pieces.stage_forward(c.first, c.last, c.layers)
+        fn = self.pieces.stage_forward(c.first, c.last, c.layers, c.skip)
         return self.policy.variants[c.variant].wrap(fn)
 
     def _stash_to_host(self, c: StageClass) -> bool:

@@ -91,15 +91,18 @@ class GPTPieces:
     def head_loss(self, shared: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
         return cross_entropy(self.logits(shared, x), targets)
 
-    def stage_forward(self, first: bool, last: bool, layers: int) -> Callable:
-        """``fn(stage_params, shared, x, tokens, targets)``: embedding if first, ``layers`` blocks,
-        head + loss if last. ``stage_params`` leaves have a leading layer axis (at least ``layers``)."""
+    def stage_forward(self, first: bool, last: bool, layers: int, skip: tuple[int, ...] = ()) -> Callable:
+        """``fn(stage_params, shared, x, tokens, targets)``: embedding if first, ``layers`` blocks
+        (except the local indices in ``skip``: layer drop), head + loss if last. ``stage_params``
+        leaves have a leading layer axis (at least ``layers``)."""
         block = self.block
 
         def fn(stage_params, shared, x, tokens, targets):
             if first:
                 x = self.embed(shared, tokens)
             for i in range(layers):
+                if i in skip:
+                    continue
                 x = block(jax.tree.map(lambda a, i=i: a[i], stage_params), x)
             if last:
                 return self.head_loss(shared, x, targets)

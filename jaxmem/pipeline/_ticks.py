@@ -36,6 +36,7 @@ class StageClass:
     layers: int
     variant: int = 0  # index of the memory policy the stage-microbatch runs under
     local: int = 0  # position of the stage among its rank's stages (selects the weights)
+    skip: tuple[int, ...] = ()  # layers of the stage skipped this step (layer drop)
 
     @property
     def label(self) -> str:
@@ -111,13 +112,23 @@ class TickProgram:
         return base, base + 1
 
 
-def cell_classes(schedule: Schedule, layer_counts, policy) -> dict[tuple[int, int], StageClass]:
-    """The class of every (stage, microbatch): role, layers, policy variant, local position."""
+def cell_classes(
+    schedule: Schedule, layer_counts, policy, drop_layers=frozenset()
+) -> dict[tuple[int, int], StageClass]:
+    """The class of every (stage, microbatch): role, layers, policy variant, local position, and the
+    stage's layers dropped this step (``drop_layers`` holds global layer indices)."""
     S = schedule.num_stages
     local = {s: schedule.stages_of(schedule.stage_to_rank[s]).index(s) for s in range(S)}
+    starts = [sum(layer_counts[:s]) for s in range(S)]
+    skip = {s: tuple(i for i in range(layer_counts[s]) if starts[s] + i in drop_layers) for s in range(S)}
     return {
         (s, m): StageClass(
-            first=s == 0, last=s == S - 1, layers=layer_counts[s], variant=policy.variant_of[(s, m)], local=local[s]
+            first=s == 0,
+            last=s == S - 1,
+            layers=layer_counts[s],
+            variant=policy.variant_of[(s, m)],
+            local=local[s],
+            skip=skip[s],
         )
         for s in range(S)
         for m in range(schedule.num_microbatches)

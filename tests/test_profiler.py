@@ -1,0 +1,123 @@
+"""The online profiler: signatures, cached programs, escalation under a tight budget, infeasible budgets."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from jaxmem.config import TrainConfig
+from jaxmem.profiler import AdaptiveProfiler, BudgetError
+from jaxmem.train import Trainer
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=32))
+
+
+def _batch(trainer, state, seq):
+    batch = dataclasses.replace(state.data, seq_len=seq).batch_at(0)
+    return trainer.put_batch(batch)
+
+
+def test_new_shapes_and_layer_drop_are_new_signatures_and_programs_are_reused(trainer):
+    state = trainer.init_state()
+    profiler = AdaptiveProfiler(trainer, 64 * MiB)
+    for seq, drop in [(16, ()), (32, ()), (16, ()), (16, (3,)), (32, ())]:
+        tokens, targets = _batch(trainer, state, seq)
+        state, loss = profiler.step(state, tokens, targets, frozenset(drop))
+    assert len(profiler.records) == 3 and profiler.compile_count == 3
+    seen = {r.label: r.seen for r in profiler.records}
+    assert seen == {"batch 4 x seq 16": 2, "batch 4 x seq 32": 2, "batch 4 x seq 16, drop layers [3]": 1}
+    assert all(r.policy == "save-all" for r in profiler.records)  # a generous budget needs no recompute
+    assert profiler.overhead_seconds < 0.01 * sum(sum(r.step_seconds) for r in profiler.records)
+
+
+def test_python_control_flow_is_caught_by_the_fingerprint(trainer):
+    profiler = AdaptiveProfiler(trainer, 64 * MiB, fingerprint=True)
+    tokens = jnp.zeros((4, 16), jnp.int32)
+    mode = {"scale": 1}
+
+    def program(t):  # stands for user code whose trace depends on Python state
+        return t * 2 if mode["scale"] == 2 else t + 1
+
+    first = profiler.signature(tokens, fingerprint_fn=program)
+    assert profiler.signature(tokens, fingerprint_fn=program) == first
+    mode["scale"] = 2
+    assert profiler.signature(tokens, fingerprint_fn=program) != first
+
+
+def test_tight_budget_picks_recompute_and_fits(trainer):
+    state = trainer.init_state()
+    save_all = AdaptiveProfiler(trainer, 1e12).predict("save-all", 4, 32, frozenset())[0]
+    recompute = AdaptiveProfiler(trainer, 1e12).predict("recompute-all", 4, 32, frozenset())[0]
+    budget = (save_all + recompute) / 2
+    profiler = AdaptiveProfiler(trainer, budget)
+    tokens, targets = _batch(trainer, state, 32)
+    profiler.step(state, tokens, targets)
+    record = profiler.records[0]
+    assert record.policy != "save-all" and record.compiled_bytes <= budget
+
+
+def test_escalation_when_the_compiled_program_misses_the_budget(trainer):
+    state = trainer.init_state()
+    probe = AdaptiveProfiler(trainer, 1e12)
+    predicted = {p: probe.predict(p, 4, 32, frozenset())[0] for p in probe.policies}
+    # Trust predictions too much (margin < 1) so that the first choice is compiled, misses, and escalates.
+    budget = predicted["save-all"] * 0.985
+    profiler = AdaptiveProfiler(trainer, budget, margin=0.9)
+    tokens, targets = _batch(trainer, state, 32)
+    profiler.step(state, tokens, targets)
+    record = profiler.records[0]
+    assert record.compiled_bytes <= budget
+    assert record.compiles <= 2  # never more than one profiling compile beyond the needed one
+    if record.escalated:
+        assert record.policy != "save-all"
+
+
+def test_infeasible_budget_is_a_clear_error_with_the_deficit(trainer):
+    state = trainer.init_state()
+    profiler = AdaptiveProfiler(trainer, 1 * MiB)
+    tokens, targets = _batch(trainer, state, 32)
+    with pytest.raises(BudgetError, match="MiB short") as info:
+        profiler.step(state, tokens, targets)
+    assert info.value.deficit > 0
+    assert profiler.compile_count == 0  # found out before compiling
+
+
+def test_adaptive_train_cli(capsys, tmp_path):
+    import json
+
+    from jaxmem.cli import main
+
+    report = tmp_path / "profile.json"
+    code = main(
+        [
+            "train",
+            "--adaptive",
+            "--budget",
+            "64MiB",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--batch-size",
+            "4",
+            "--seq-len-schedule",
+            "16,32",
+            "--steps",
+            "4",
+            "--profile-report",
+            str(report),
+            "--json",
+            "--quiet",
+        ]
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["signatures"] == 2 and summary["budget_violations"] == 0
+    table = json.loads(report.read_text())["signatures"]
+    assert {row["signature"] for row in table} == {"batch 4 x seq 16", "batch 4 x seq 32"}
+    for row in table:
+        assert {"policy", "predicted_device_bytes", "compiled_device_bytes", "step_seconds", "times_seen"} <= set(row)
