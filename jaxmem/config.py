@@ -43,6 +43,11 @@ class TrainConfig:
         layer_drop: probability that a step skips one randomly chosen layer (decided in Python, so a
             different program).
         profile_report: JSON file for the profiler's per-signature table.
+        checkpoint_dir: save the train state here and resume from its latest complete step.
+        checkpoint_every: save every N steps (and at the end).
+        keep_checkpoints: keep the last K steps.
+        sample_log: append, per step, the sample numbers it consumed (rolled back on resume), to check
+            that every sample is used exactly once.
     """
 
     model: object = "tiny"
@@ -69,6 +74,10 @@ class TrainConfig:
     seq_len_order: str = "cycle"
     layer_drop: float = 0.0
     profile_report: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    sample_log: str | None = None
 
     def __post_init__(self):
         for field in ("stages", "microbatches", "data_parallel", "steps", "seq_len", "batch_size"):

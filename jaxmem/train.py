@@ -32,6 +32,26 @@ class TrainState:
     data: DataIterator
 
 
+def global_put(tree, shardings):
+    """Host arrays (the same on every process) -> global arrays with ``shardings``; works in one
+    process and in a multi-process job alike."""
+
+    def put(value, sharding):
+        value = np.asarray(value)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    if isinstance(shardings, NamedSharding):
+        return put(tree, shardings)
+    return jax.tree.map(put, tree, shardings)
+
+
+def scalar(x) -> float:
+    """A replicated scalar's value on this process (also for multi-process arrays)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return float(np.asarray(x.addressable_data(0)))
+    return float(x)
+
+
 def _to_device(tree):
     """Bring host-resident leaves (``pinned_host`` memory kind) to device memory; others unchanged."""
 
@@ -81,7 +101,8 @@ class Trainer:
 
     def init_state(self, model_params: dict | None = None) -> TrainState:
         params = model_params if model_params is not None else init_model_params(self.model_config, self.config.seed)
-        placed = self.pipeline.place(self.pipeline.from_model_params(params))
+        host = jax.tree.map(np.asarray, jax.device_get(self.pipeline.from_model_params(params)))
+        placed = global_put(host, self.pipeline.shardings())
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_state_shardings())(_to_device(placed))
         data = DataIterator(
             source=self.config.data,
@@ -131,10 +152,84 @@ class Trainer:
         return self._step_fn
 
     def put_batch(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return (
-            jax.device_put(batch.tokens, self.batch_sharding),
-            jax.device_put(batch.targets, self.batch_sharding),
+        """The global batch as arrays split over ``data`` (every process holds the same host batch)."""
+        return global_put(batch.tokens, self.batch_sharding), global_put(batch.targets, self.batch_sharding)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _replicated(self):
+        return NamedSharding(self.mesh, P())
+
+    def _to_model_layout(self, tree):
+        """Every PipelineParams in ``tree`` (the parameters, Adam's moments) in the model's layout."""
+        return jax.tree.map(
+            lambda x: self.pipeline.to_model_params(x) if isinstance(x, PipelineParams) else x,
+            tree,
+            is_leaf=lambda x: isinstance(x, PipelineParams),
         )
+
+    def export_state(self, state: TrainState) -> tuple[dict, dict]:
+        """The state in the model's layout (replicated: any mesh can restore it) and its metadata."""
+        to_model = self._to_model_layout
+        exported = jax.jit(
+            lambda p, o: {"params": to_model(p), "opt_state": to_model(o)}, out_shardings=self._replicated()
+        )(_to_device(state.params), _to_device(state.opt_state))
+        config = self.config
+        meta = {
+            "step": state.step,
+            "seed": config.seed,
+            "data": state.data.state(),
+            "plan": {
+                "schedule": self.schedule.name,
+                "stages": config.stages,
+                "data_parallel": config.data_parallel,
+                "microbatches": self.schedule.num_microbatches,
+                "virtual": config.virtual,
+                "layers_per_stage": list(self.pipeline.layer_counts),
+                "policy": str(self.pipeline.policy.policy),
+                "batch_size": config.batch_size,
+                "seq_len": config.seq_len,
+            },
+        }
+        return exported, meta
+
+    def restore_target(self) -> dict:
+        """Abstract model-layout state with this trainer's (replicated) shardings, for restoring."""
+        abstract_params = self.pipeline.abstract_params()
+        to_model = self._to_model_layout
+        abstract = jax.eval_shape(
+            lambda p: {"params": to_model(p), "opt_state": to_model(self.optimizer.init(p))}, abstract_params
+        )
+        replicated = self._replicated()
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
+
+    def import_state(self, state: dict, meta: dict) -> TrainState:
+        """A restored model-layout state laid out for this trainer's pipeline."""
+        pipeline = self.pipeline
+        target_opt = jax.eval_shape(self.optimizer.init, pipeline.abstract_params())
+
+        def relayout(params, opt_state):
+            opt = jax.tree.map(
+                lambda target, value: (
+                    pipeline.from_model_params(value) if isinstance(target, PipelineParams) else value
+                ),
+                target_opt,
+                opt_state,
+                is_leaf=lambda x: isinstance(x, PipelineParams),
+            )
+            return pipeline.from_model_params(params), opt
+
+        params, opt_state = jax.jit(relayout, out_shardings=(pipeline.shardings(), self.opt_state_shardings()))(
+            state["params"], state["opt_state"]
+        )
+        data = DataIterator(
+            source=self.config.data,
+            batch_size=self.config.batch_size,
+            seq_len=self.config.seq_len,
+            seed=meta["data"]["seed"],
+            position=meta["data"]["position"],
+            vocab_size=self.model_config.vocab_size,
+        )
+        return TrainState(params=params, opt_state=opt_state, step=int(meta["step"]), data=data)
 
     def lower(self, state: TrainState):
         """The lowered (not yet compiled) step, e.g. for ``.compile().memory_analysis()``."""
@@ -192,8 +287,41 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
     return planned, result.to_json()
 
 
+def _rollback_sample_log(path: str, step: int) -> None:
+    """Keep only the log lines of steps <= ``step`` (what the restored checkpoint contains)."""
+    import os
+
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and int(line.split()[0]) <= step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+def _after_step(config: TrainConfig, state: TrainState, batch: Batch) -> None:
+    """Per-step side channels: sample log, heartbeat for the launcher, injected failure."""
+    import os
+    import signal
+
+    if config.sample_log and jax.process_index() == 0:
+        with open(config.sample_log, "a") as f:
+            f.write(f"{state.step} {' '.join(str(i) for i in batch.sample_ids)}\n")
+    heartbeat = os.environ.get("JAXMEM_HEARTBEAT_FILE")
+    if heartbeat:
+        with open(heartbeat, "w") as f:
+            f.write(str(state.step))
+    fail_at = os.environ.get("JAXMEM_FAIL_AT_STEP")
+    if fail_at and state.step >= int(fail_at):
+        os.kill(os.getpid(), signal.SIGKILL)  # a drill: die the hard way, like a lost host
+
+
 def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | None = None) -> dict:
-    """Run ``config.steps`` steps; returns the summary the CLI prints with ``--json``."""
+    """Run until ``config.steps`` steps; returns the summary the CLI prints with ``--json``.
+
+    With ``checkpoint_dir`` the run resumes from the latest complete checkpoint there (on whatever
+    mesh this config describes) and saves every ``checkpoint_every`` steps and at the end.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -207,47 +335,80 @@ def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | Non
     trainer = Trainer(config)
     state = trainer.init_state()
     console = Console(stderr=True)
+    checkpointer = None
+    resumed_from = None
+    if config.checkpoint_dir:
+        from jaxmem.elastic import Checkpointer
+
+        checkpointer = Checkpointer(config.checkpoint_dir, every=config.checkpoint_every, keep=config.keep_checkpoints)
+        if checkpointer.latest_step() is not None:
+            restored = checkpointer.restore(trainer.restore_target())
+            state = trainer.import_state(restored.state, restored.meta)
+            resumed_from = restored.step
+            if progress:
+                console.print(f"resumed from checkpoint step {restored.step} ({config.checkpoint_dir})")
+    if config.sample_log and jax.process_index() == 0:
+        _rollback_sample_log(config.sample_log, state.step)
     tokens_per_step = config.batch_size * config.seq_len
     losses: list[float] = []
-    compile_start = time.perf_counter()
+    first_step = state.step
     if progress:
         console.print(
-            f"[bold]jaxmem train[/bold]: {config.model} ({trainer.model_config.param_count():,} params), "
+            f"[bold]jaxmem train[/bold]: {config.model if isinstance(config.model, str) else 'custom'} "
+            f"({trainer.model_config.param_count():,} params), "
             f"{trainer.schedule.name} P={config.stages} M={config.microbatches} "
             f"stages={trainer.schedule.num_stages} data={config.data_parallel} on "
             f"{config.data_parallel * config.stages} {jax.devices()[0].platform} devices; compiling..."
         )
-    state, loss, _ = trainer.step(state)
-    losses.append(float(loss))
-    compile_seconds = time.perf_counter() - compile_start
-    if on_step:
-        on_step(state, losses[-1])
-    run_start = time.perf_counter()
     columns = [
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
     ]
+    compile_seconds = run_start = None
+    step_times: list[float] = []
+    start = time.perf_counter()
     with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
-        task = bar.add_task("train", total=config.steps, completed=1, info=f"loss {losses[0]:.3f}")
-        for _ in range(config.steps - 1):
-            state, loss, _ = trainer.step(state)
-            loss_value = float(loss)
+        task = bar.add_task("train", total=config.steps, completed=state.step, info="compiling")
+        while state.step < config.steps:
+            tick = time.perf_counter()
+            state, loss, batch = trainer.step(state)
+            loss_value = scalar(loss)
+            if compile_seconds is not None:
+                step_times.append(time.perf_counter() - tick)
             losses.append(loss_value)
+            if compile_seconds is None:
+                compile_seconds = time.perf_counter() - start
+                run_start = time.perf_counter()
+            _after_step(config, state, batch)
+            if checkpointer is not None and checkpointer.should_save(state.step):
+                exported, meta = trainer.export_state(state)
+                checkpointer.save(state.step, exported, meta)
             if on_step:
                 on_step(state, loss_value)
             elapsed = time.perf_counter() - run_start
             rate = tokens_per_step * (len(losses) - 1) / max(elapsed, 1e-9)
-            bar.update(task, completed=len(losses), info=f"loss {loss_value:.3f}  {rate:,.0f} tok/s")
-    run_seconds = time.perf_counter() - run_start
-    steady_steps = len(losses) - 1
+            bar.update(task, completed=state.step, info=f"loss {loss_value:.3f}  {rate:,.0f} tok/s")
+    if checkpointer is not None:
+        checkpointer.wait()  # a save of this very step may still be in flight
+        if checkpointer.latest_step() != state.step:
+            exported, meta = trainer.export_state(state)
+            checkpointer.save(state.step, exported, meta, force=True)
+        checkpointer.close()
+    run_seconds = time.perf_counter() - (run_start or start)
+    steady_steps = max(len(losses) - 1, 0)
     return {
-        "steps": len(losses),
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "loss_last10_mean": float(np.mean(losses[-10:])),
+        "steps": state.step,
+        "steps_run": len(losses),
+        "resumed_from": resumed_from,
+        "first_step": first_step,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "losses": losses,
+        "loss_last10_mean": float(np.mean(losses[-10:])) if losses else None,
         "tokens_per_second": tokens_per_step * steady_steps / run_seconds if steady_steps else None,
+        "step_seconds_median": float(np.median(step_times)) if step_times else None,
         "compile_seconds": compile_seconds,
         "run_seconds": run_seconds,
         "schedule": trainer.schedule.name,
@@ -256,6 +417,7 @@ def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | Non
         "microbatches": config.microbatches,
         "data_parallel": config.data_parallel,
         "devices": config.data_parallel * config.stages,
+        "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
         "model": config.model if isinstance(config.model, str) else "custom",
         "batch_size": config.batch_size,

@@ -222,3 +222,32 @@ def test_trainable_size_benchmark_runs_small():
     ):
         assert key in record
     assert {m["name"] for m in record["methods"]} >= {"1F1B", "ChronosPipe (all)", "V-Half", "V-Min"}
+
+
+def test_chronos_trains(capsys):
+    from jaxmem.cli import main
+
+    code = main(
+        [
+            "train",
+            "--schedule",
+            "chronos",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "16",
+            "--steps",
+            "3",
+            "--policy",
+            "selective",
+            "--json",
+            "--quiet",
+        ]
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["schedule"] == "chronos" and summary["pipeline_stages"] == 4
+    assert summary["loss_last"] < summary["loss_first"]

@@ -33,6 +33,8 @@ def maybe_initialize_distributed() -> None:
             coordinator_address=os.environ["JAXMEM_COORDINATOR"],
             num_processes=int(os.environ["JAXMEM_NUM_PROCESSES"]),
             process_id=int(os.environ["JAXMEM_PROCESS_ID"]),
+            heartbeat_timeout_seconds=int(os.environ.get("JAXMEM_HEARTBEAT_SECONDS", "100")),
+            initialization_timeout=120,
         )
 
 

@@ -49,6 +49,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
     g.add_argument("--budget", help="device memory per device for --plan auto, e.g. 12MiB, 24GiB")
     g.add_argument("--hardware", help="planner hardware profile (default: measured here on CPU)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", help="save here and resume from the latest complete checkpoint")
+    g.add_argument("--checkpoint-every", type=int, help="save every N steps (default 10)")
+    g.add_argument("--keep-checkpoints", type=int, help="keep the last K checkpoints (default 3)")
+    g.add_argument("--sample-log", help="log the sample numbers each step consumed (exactly-once checks)")
     g = p.add_argument_group("adaptive memory policy (online profiler)")
     g.add_argument(
         "--adaptive",

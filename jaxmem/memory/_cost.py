@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem._errors import JaxmemError
-from jaxmem.memory._model import forward_flops, stage_residual_bytes, stage_residual_elements
+from jaxmem.memory._model import forward_flops, stage_counts, stage_residual_bytes
 from jaxmem.schedule import Action, Costs, Kind, Schedule, SimulationResult, simulate
 
 __all__ = [
@@ -113,15 +113,12 @@ def step_costs(
         sp = resolved.stage_policy(stage, mb)
         key = (stage, sp)
         if key not in cache:
-            count = stage_residual_elements(
+            count = stage_counts(
+                config,
                 layers=layer_counts[stage],
                 first=stage == 0,
                 last=stage == schedule.num_stages - 1,
-                d=config.d_model,
-                f=config.d_ff,
-                heads=config.n_heads,
                 seq=seq,
-                vocab=config.vocab_size,
                 policy=sp,
             )
             device, host = stage_residual_bytes(

@@ -171,22 +171,20 @@ def predict(
     messages = (tick.act_slots + 1 + tick.grad_slots + 1) * message
     inputs = 2 * (batch // data_parallel) * seq * 4
     transient = messages + inputs + slot_out + BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
-    ranks = []
-    for r in range(schedule.num_ranks):
-        ranks.append(
-            RankLedger(
-                rank=r,
-                categories={
-                    "params": params,
-                    "grads": grads,
-                    "optimizer_state": optimizer,
-                    "stash": Bytes(stash_dev, stash_host),
-                    "transient": Bytes(transient, 0),
-                },
-                live_stash_bytes=live[r],
-            )
-        )
-    return Ledger("predicted", tuple(ranks), _meta(config, schedule, resolved, batch, seq, data_parallel, mb))
+    ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
+    return Ledger("predicted", ranks, _meta(config, schedule, resolved, batch, seq, data_parallel, mb))
+
+
+def _rank_ledgers(num_ranks, params, grads, optimizer, stash, transient, live) -> tuple[RankLedger, ...]:
+    """Every rank allocates the same buffers (one SPMD program); only its live stash differs."""
+    categories = {
+        "params": params,
+        "grads": grads,
+        "optimizer_state": optimizer,
+        "stash": stash,
+        "transient": Bytes(transient, 0),
+    }
+    return tuple(RankLedger(rank=r, categories=dict(categories), live_stash_bytes=live[r]) for r in range(num_ranks))
 
 
 def _arena_bytes(tick) -> tuple[float, float, list[float]]:
@@ -268,20 +266,7 @@ def measure(trainer, state=None, compiled=None) -> Ledger:
     cpu_host_counted = (stash_host + params.host + optimizer.host) if platform == "cpu" else 0.0
     accounted = params.device + optimizer.device + grads.device + stash_dev + cpu_host_counted
     transient = total_device - accounted
-    ranks = tuple(
-        RankLedger(
-            rank=r,
-            categories={
-                "params": params,
-                "grads": grads,
-                "optimizer_state": optimizer,
-                "stash": Bytes(stash_dev, stash_host),
-                "transient": Bytes(transient, 0),
-            },
-            live_stash_bytes=live[r],
-        )
-        for r in range(schedule.num_ranks)
-    )
+    ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
     mb = batch // (trainer.config.data_parallel * schedule.num_microbatches)
     meta = _meta(config, schedule, pipeline.policy, batch, seq, trainer.config.data_parallel, mb)
     meta.update(

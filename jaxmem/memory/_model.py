@@ -31,8 +31,7 @@ __all__ = [
     "forward_flops",
     "BACKWARD_WORKSET",
     "RECOMPUTE_WORKSET",
-    "block_residual_elements",
-    "head_residual_elements",
+    "stage_counts",
     "stage_residual_bytes",
 ]
 
@@ -188,12 +187,9 @@ def stage_residual_elements(
     return ResidualCount(device=device, host=host, stage_input=stage_input, recompute_flops=flops)
 
 
-def stage_residual_bytes(
-    config, *, layers: int, first: bool, last: bool, microbatch: int, seq: int, policy: StagePolicy
-) -> tuple[int, int]:
-    """(device, host) bytes one microbatch of a stage stashes."""
-    itemsize = np.dtype(config.dtype).itemsize
-    count = stage_residual_elements(
+def stage_counts(config, *, layers: int, first: bool, last: bool, seq: int, policy: StagePolicy) -> ResidualCount:
+    """:func:`stage_residual_elements` for a model config."""
+    return stage_residual_elements(
         layers=layers,
         first=first,
         last=last,
@@ -204,60 +200,15 @@ def stage_residual_bytes(
         vocab=config.vocab_size,
         policy=policy,
     )
+
+
+def stage_residual_bytes(
+    config, *, layers: int, first: bool, last: bool, microbatch: int, seq: int, policy: StagePolicy
+) -> tuple[int, int]:
+    """(device, host) bytes one microbatch of a stage stashes."""
+    itemsize = np.dtype(config.dtype).itemsize
+    count = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=policy)
     return count.device * microbatch * itemsize, count.host * microbatch * itemsize
-
-
-def block_residual_elements(config, seq: int, policy: StagePolicy) -> int:
-    """Per-layer elements per sequence a middle stage keeps (excluding its input), for reports."""
-    two = stage_residual_elements(
-        layers=2,
-        first=False,
-        last=False,
-        d=config.d_model,
-        f=config.d_ff,
-        heads=config.n_heads,
-        seq=seq,
-        vocab=config.vocab_size,
-        policy=policy,
-    )
-    one = stage_residual_elements(
-        layers=1,
-        first=False,
-        last=False,
-        d=config.d_model,
-        f=config.d_ff,
-        heads=config.n_heads,
-        seq=seq,
-        vocab=config.vocab_size,
-        policy=policy,
-    )
-    return (two.device + two.host) - (one.device + one.host)
-
-
-def head_residual_elements(config, seq: int, policy: StagePolicy) -> int:
-    last = stage_residual_elements(
-        layers=1,
-        first=False,
-        last=True,
-        d=config.d_model,
-        f=config.d_ff,
-        heads=config.n_heads,
-        seq=seq,
-        vocab=config.vocab_size,
-        policy=policy,
-    )
-    mid = stage_residual_elements(
-        layers=1,
-        first=False,
-        last=False,
-        d=config.d_model,
-        f=config.d_ff,
-        heads=config.n_heads,
-        seq=seq,
-        vocab=config.vocab_size,
-        policy=policy,
-    )
-    return (last.device + last.host) - (mid.device + mid.host)
 
 
 def param_counts(config) -> tuple[int, int]:

@@ -126,7 +126,7 @@ CHRONOS_MOVES = {
 
 def chronos_moves(config, schedule, counts, *, microbatch: int, seq: int, hardware, allowed) -> list:
     """The memory moves with their cost in seconds per byte saved, for a typical (middle) stage."""
-    from jaxmem.memory._model import stage_residual_bytes, stage_residual_elements
+    from jaxmem.memory._model import stage_counts, stage_residual_bytes
     from jaxmem.policy._chronos import Move
     from jaxmem.policy._policy import PRESETS
 
@@ -144,20 +144,8 @@ def chronos_moves(config, schedule, counts, *, microbatch: int, seq: int, hardwa
             kept = stage_residual_bytes(
                 config, layers=layers, first=stage == 0, last=False, microbatch=microbatch, seq=seq, policy=sp
             )[0]
-            flops = (
-                stage_residual_elements(
-                    layers=layers,
-                    first=stage == 0,
-                    last=False,
-                    d=config.d_model,
-                    f=config.d_ff,
-                    heads=config.n_heads,
-                    seq=seq,
-                    vocab=config.vocab_size,
-                    policy=sp,
-                ).recompute_flops
-                * microbatch
-            )
+            counts = stage_counts(config, layers=layers, first=stage == 0, last=False, seq=seq, policy=sp)
+            flops = counts.recompute_flops * microbatch
             saved = max(save - kept, 1)
             seconds_per_byte = flops / hardware.flops_per_second / saved
         else:

@@ -1,0 +1,80 @@
+"""``jaxmem elastic plan``: the recovery planner's decision for a failure, without running anything."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxmem.cli._common import print_json
+
+_EPILOG = """\
+examples:
+  jaxmem elastic plan --devices 8 --failed 3 -- --stages 4 --data-parallel 2 --microbatches 4 --batch-size 16
+  jaxmem elastic plan --devices 4 --failed 1 --json -- --stages 4 --microbatches 4 --batch-size 8 --steps 100
+
+The arguments after `--` describe the running job (as for `jaxmem train`). Strategies: restart on
+spares, shrink data-parallel, re-partition over fewer pipeline stages, reroute (scored, not runnable
+by the SPMD executor). The score is the time to finish the remaining steps, recovery included."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "elastic",
+        help="recovery planning for elastic training",
+        description="Odyssey-style recovery planning.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = p.add_subparsers(dest="elastic_command", metavar="ACTION")
+    a = actions.add_parser("plan", help="score the recovery strategies for a failure")
+    a.add_argument("--devices", type=int, required=True, help="devices of the job before the failure")
+    a.add_argument("--failed", type=int, action="append", required=True, help="failed device rank (repeatable)")
+    a.add_argument("--devices-per-proc", type=int, default=1, help="devices per process (the unit that fails)")
+    a.add_argument("--spares", type=int, default=0, help="spare processes")
+    a.add_argument("--steps-done", type=int, default=0, help="steps reached before the failure")
+    a.add_argument("--last-checkpoint", type=int, default=0, help="step of the last complete checkpoint")
+    a.add_argument("--step-seconds", type=float, help="measured step time before the failure")
+    a.add_argument("--restart-seconds", type=float, default=15.0, help="restart + compile + restore time")
+    a.add_argument("--hardware", default="h100", help="hardware profile for the model (default h100)")
+    a.add_argument("--json", action="store_true")
+    a.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the job's jaxmem train arguments")
+    a.set_defaults(run=run)
+    p.set_defaults(run=None)
+
+
+def run(args) -> int:
+    from jaxmem._errors import JaxmemError
+    from jaxmem.elastic._launcher import _parse
+    from jaxmem.elastic._recovery import plan_recovery
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    config = _parse(train_args)
+    if config.stages * config.data_parallel != args.devices:
+        raise JaxmemError(
+            f"--devices {args.devices} does not match the job's data({config.data_parallel}) x "
+            f"pipe({config.stages}) = {config.stages * config.data_parallel}"
+        )
+    if args.devices % args.devices_per_proc:
+        raise JaxmemError(f"--devices {args.devices} is not a multiple of --devices-per-proc {args.devices_per_proc}")
+    nprocs = args.devices // args.devices_per_proc
+    bad = [f for f in args.failed if not 0 <= f < args.devices]
+    if bad:
+        raise JaxmemError(f"--failed {bad}: device ranks are 0..{args.devices - 1}")
+    failed = sorted({f // args.devices_per_proc for f in args.failed})
+    plan = plan_recovery(
+        config,
+        devices_per_proc=args.devices_per_proc,
+        nprocs=nprocs,
+        failed=failed,
+        spares=args.spares,
+        steps_done=args.steps_done or args.last_checkpoint,
+        last_checkpoint=args.last_checkpoint,
+        measured_step_seconds=args.step_seconds,
+        restart_seconds=args.restart_seconds,
+        hardware=args.hardware,
+    )
+    if args.json:
+        print_json(plan.to_json())
+    else:
+        for line in plan.explain():
+            print(line)
+    return 0

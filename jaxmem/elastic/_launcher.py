@@ -1,0 +1,325 @@
+"""The launcher: N worker processes in one ``jax.distributed`` job, watched; on a failure (a worker
+exits, or its heartbeat stops) the rest are stopped, the recovery planner picks a new plan for what is
+left, and the job restarts from the last complete checkpoint.
+
+Workers are ``python -m jaxmem train ...`` processes. Here they meet on 127.0.0.1 (gloo collectives on
+CPU); on a cluster the same train command joins through ``jax.distributed.initialize()``'s
+auto-detection (SLURM, Kubernetes, TPU) instead of this launcher's environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jaxmem._errors import JaxmemError
+
+__all__ = ["Failure", "LaunchResult", "launch", "parse_failure"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    rank: int
+    step: int
+
+
+def parse_failure(text: str) -> Failure:
+    """``rank=R,step=K`` -> Failure."""
+    try:
+        fields = dict(part.split("=", 1) for part in text.split(","))
+        return Failure(int(fields["rank"]), int(fields["step"]))
+    except (ValueError, KeyError):
+        raise JaxmemError(f"--inject-failure takes rank=R,step=K (e.g. rank=1,step=5); got {text!r}") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Attempt:
+    nprocs: int
+    args: list
+    started: float
+    first_step_at: float | None = None
+    failed_rank: int | None = None
+    failed_at: float | None = None
+    exit_codes: list = dataclasses.field(default_factory=list)
+    strategy: dict | None = None
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    ok: bool
+    attempts: list
+    run_dir: str
+    summary: dict | None
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "run_dir": self.run_dir,
+            "attempts": [dataclasses.asdict(a) for a in self.attempts],
+            "summary": self.summary,
+        }
+
+
+def _with_flag(args: list, flag: str, value) -> list:
+    """Replace (or add) ``flag value`` in an argument list."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out + ([flag, str(value)] if value is not None else [])
+
+
+def _read_step(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip() or -1)
+    except (OSError, ValueError):
+        return None
+
+
+def launch(
+    train_args: list,
+    *,
+    nprocs: int,
+    devices_per_proc: int = 1,
+    heartbeat_seconds: float = 60.0,
+    failures: list[Failure] = (),
+    spares: int = 0,
+    run_dir: str | None = None,
+    max_restarts: int = 3,
+    strategy: str | None = None,
+    log=print,
+    timeout: float | None = None,
+) -> LaunchResult:
+    """Run ``jaxmem train <train_args>`` on ``nprocs`` processes; restart after failures.
+
+    Args:
+        train_args: the train command's arguments (a checkpoint dir and a sample log are added under
+            ``run_dir`` when missing).
+        nprocs: worker processes.
+        devices_per_proc: devices each worker drives (virtual CPU devices here).
+        heartbeat_seconds: a worker whose heartbeat is older than this (after its first step) is failed.
+        failures: injected failures (first attempt only): worker ``rank`` SIGKILLs itself at ``step``.
+        spares: idle processes that can replace failed ones.
+        strategy: force a recovery strategy (by name) instead of the planner's choice.
+        timeout: give up (and stop everything) after this many seconds.
+    """
+    from jaxmem.elastic._recovery import cpu_cores, plan_recovery
+
+    if nprocs < 1 or devices_per_proc < 1:
+        raise JaxmemError(f"--nprocs ({nprocs}) and --devices-per-proc ({devices_per_proc}) must be >= 1")
+    limit = max(1, (os.cpu_count() or 1) * 8)
+    if nprocs > limit:
+        raise JaxmemError(f"--nprocs {nprocs} is more than this machine can start ({limit} at most here)")
+    run = Path(run_dir or f"runs/launch-{int(time.time())}").absolute()
+    run.mkdir(parents=True, exist_ok=True)
+    args = list(train_args)
+    if "--checkpoint-dir" not in args:
+        args = _with_flag(args, "--checkpoint-dir", run / "checkpoints")
+    if "--sample-log" not in args:
+        args = _with_flag(args, "--sample-log", run / "samples.log")
+    args = _with_flag(args, "--json", None) + ["--json", "--quiet"]
+    attempts: list[Attempt] = []
+    deadline = None if timeout is None else time.time() + timeout
+    current_nprocs = nprocs
+    summary = None
+
+    for attempt_index in range(max_restarts + 1):
+        config = _parse(args)
+        needed = config.stages * config.data_parallel
+        if needed > current_nprocs * devices_per_proc:
+            raise JaxmemError(
+                f"the plan needs data({config.data_parallel}) x pipe({config.stages}) = {needed} devices "
+                f"but {current_nprocs} process(es) x {devices_per_proc} device(s) are running"
+            )
+        port = _free_port()
+        attempt = Attempt(current_nprocs, list(args), time.time())
+        attempts.append(attempt)
+        log(
+            f"attempt {attempt_index + 1}: {current_nprocs} process(es) x {devices_per_proc} device(s), "
+            f"P={config.stages} D={config.data_parallel}"
+        )
+        procs, heartbeats = [], []
+        for rank in range(current_nprocs):
+            env = dict(os.environ)
+            env.update(
+                {
+                    "JAXMEM_COORDINATOR": f"127.0.0.1:{port}",
+                    "JAXMEM_NUM_PROCESSES": str(current_nprocs),
+                    "JAXMEM_PROCESS_ID": str(rank),
+                    "JAXMEM_HEARTBEAT_FILE": str(run / f"heartbeat-{attempt_index}-{rank}"),
+                    "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+                }
+            )
+            env.pop("JAXMEM_FAIL_AT_STEP", None)
+            if attempt_index == 0:
+                for f in failures:
+                    if f.rank == rank:
+                        env["JAXMEM_FAIL_AT_STEP"] = str(f.step)
+            heartbeats.append(Path(env["JAXMEM_HEARTBEAT_FILE"]))
+            out = open(run / f"worker-{attempt_index}-{rank}.log", "w")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "jaxmem", "train", *args],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        failed_rank = None
+        last_beat = [None] * current_nprocs
+        progress: list[tuple[float, int]] = []  # (time, step) of worker 0's heartbeats
+        while True:
+            time.sleep(0.2)
+            codes = [p.poll() for p in procs]
+            for rank, path in enumerate(heartbeats):
+                if path.exists():
+                    mtime = path.stat().st_mtime
+                    if attempt.first_step_at is None:
+                        attempt.first_step_at = mtime
+                    last_beat[rank] = mtime
+                    if rank == 0:
+                        step = _read_step(path)
+                        if step is not None and (not progress or step > progress[-1][1]):
+                            progress.append((mtime, step))
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            stale = [
+                r
+                for r, t in enumerate(last_beat)
+                if t is not None and codes[r] is None and time.time() - t > heartbeat_seconds
+            ]
+            if bad or stale:
+                failed_rank = (bad or stale)[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            if deadline and time.time() > deadline:
+                _stop(procs)
+                raise JaxmemError(f"launch timed out after {timeout:.0f}s (logs in {run})")
+        if failed_rank is None:
+            attempt.exit_codes = [p.returncode for p in procs]
+            summary = _summary(run / f"worker-{attempt_index}-0.log")
+            log(f"finished: {summary and summary.get('steps')} steps")
+            return LaunchResult(True, attempts, str(run), summary)
+        attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
+        _stop(procs)
+        attempt.exit_codes = [p.returncode for p in procs]
+        steps_done = max((_read_step(h) or 0) for h in heartbeats)
+        last_ckpt = _latest_checkpoint(Path(_flag_value(args, "--checkpoint-dir")))
+        first = attempt.first_step_at
+        measured = None
+        steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
+        deltas = [(t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0]
+        if deltas:  # the median step: checkpoint saves and stragglers do not move it
+            measured = sorted(deltas)[len(deltas) // 2]
+        restart_seconds = (first - attempt.started) if first else 15.0
+        log(f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); planning recovery")
+        plan = plan_recovery(
+            config,
+            devices_per_proc=devices_per_proc,
+            nprocs=current_nprocs,
+            failed=[failed_rank],
+            spares=spares,
+            steps_done=steps_done,
+            last_checkpoint=last_ckpt or 0,
+            measured_step_seconds=measured,
+            restart_seconds=restart_seconds,
+            cores=cpu_cores(),
+        )
+        for line in plan.explain():
+            log(f"  {line}")
+        choice = plan.choice
+        if strategy:
+            forced = [c for c in plan.candidates if c.name == strategy and c.runnable]
+            if not forced:
+                raise JaxmemError(
+                    f"recovery strategy {strategy!r} cannot run here; runnable: "
+                    f"{[c.name for c in plan.candidates if c.runnable]}"
+                )
+            choice = forced[0]
+        attempt.strategy = choice.to_json()
+        if choice.name == "restart-on-spares":
+            spares -= 1
+        current_nprocs = choice.nprocs
+        args = _with_flag(args, "--stages", choice.stages)
+        args = _with_flag(args, "--data-parallel", choice.data_parallel)
+        args = _with_flag(
+            args, "--layers-per-stage", ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None
+        )
+        args = _with_flag(args, "--devices", None)
+    return LaunchResult(False, attempts, str(run), summary)
+
+
+def _parse(args: list):
+    import argparse
+
+    from jaxmem.cli.train import add_train_arguments, config_from_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_train_arguments(parser)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quiet", action="store_true")
+    return config_from_args(parser.parse_args([str(a) for a in args]))
+
+
+def _flag_value(args: list, flag: str):
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _latest_checkpoint(directory: Path) -> int | None:
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
+    return max(steps) if steps else None
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    end = time.time() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def _summary(log_path: Path) -> dict | None:
+    """The JSON summary the train command printed at the end of its log."""
+    text = log_path.read_text() if log_path.exists() else ""
+    start = text.rfind("\n{")
+    start = 0 if text.startswith("{") and start < 0 else start + 1
+    try:
+        return json.loads(text[start:])
+    except ValueError:
+        return None

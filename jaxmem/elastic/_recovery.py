@@ -1,0 +1,320 @@
+"""The recovery planner: after a failure, score every recovery strategy with one performance model and
+pick the one that finishes the remaining work soonest (after Odyssey, arXiv 2508.21613; our
+reconstruction: the paper's model and search were not available to us).
+
+Strategies, for the devices that are left:
+- ``restart-on-spares``: the same plan on spare processes that replace the failed ones;
+- ``shrink-data-parallel``: drop the data-parallel replicas that lost a device, keep the pipeline;
+- ``re-partition``: re-split the layers over fewer pipeline stages on the surviving processes;
+- ``reroute``: a surviving neighbour runs the failed rank's stage as an extra virtual stage (no
+  restart of the split: the schedule IR expresses it; our SPMD executor needs equal stages per
+  rank, so this one is scored but cannot run here).
+
+Every strategy keeps the logical batch: the global batch and its microbatch count, so every sample
+is used exactly once and the loss curve continues. The score is
+``recovery (restart + compile + restore) + lost work since the last checkpoint + remaining steps x
+predicted step time``; the step time comes from the schedule simulator with FLOP costs on the
+hardware profile, scaled by the ratio measured/simulated of the pre-failure run. On a CPU with no
+more cores than devices, devices share the cores and the threads of one process fill another's
+pipeline bubbles: a step takes the total work over the cores; and processes beyond the cores slow
+every step in proportion (time-slicing and collectives between more processes than cores; fitted on
+this 2-core machine, where 4 processes take twice as long per step as 2 for the same work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jaxmem._errors import JaxmemError
+
+__all__ = ["RecoveryError", "RecoveryPlan", "Strategy", "plan_recovery", "predicted_step_seconds"]
+
+
+class RecoveryError(JaxmemError):
+    """No strategy can run on what is left; names the smallest configuration that would."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str
+    nprocs: int
+    stages: int
+    data_parallel: int
+    layers_per_stage: tuple[int, ...] | None
+    runnable: bool
+    step_seconds: float
+    recovery_seconds: float
+    lost_seconds: float
+    score_seconds: float
+    note: str = ""
+
+    @property
+    def throughput_steps_per_second(self) -> float:
+        return 1.0 / self.step_seconds if self.step_seconds else 0.0
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "steps_per_second": self.throughput_steps_per_second}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryPlan:
+    choice: Strategy | None
+    candidates: tuple[Strategy, ...]
+    devices_left: int
+    remaining_steps: int
+
+    def explain(self) -> list[str]:
+        lines = []
+        for s in sorted(self.candidates, key=lambda s: (not s.runnable, s.score_seconds)):
+            mark = "->" if s is self.choice else "  "
+            lines.append(
+                f"{mark} {s.name:22s} P={s.stages} D={s.data_parallel} procs={s.nprocs}: finish in "
+                f"{s.score_seconds:8.1f}s (recover {s.recovery_seconds:.1f}s, lost {s.lost_seconds:.1f}s, "
+                f"{s.step_seconds:.3g}s/step){'' if s.runnable else '  [model only]'} {s.note}"
+            )
+        return lines
+
+    def to_json(self) -> dict:
+        return {
+            "choice": None if self.choice is None else self.choice.to_json(),
+            "candidates": [s.to_json() for s in self.candidates],
+            "devices_left": self.devices_left,
+            "remaining_steps": self.remaining_steps,
+            "explanation": self.explain(),
+        }
+
+
+def _balanced(layers: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if i < extra else 0) for i in range(stages))
+
+
+def predicted_step_seconds(
+    model_config,
+    schedule_name: str,
+    stages: int,
+    data_parallel: int,
+    microbatches: int,
+    batch: int,
+    seq: int,
+    layer_counts,
+    *,
+    hardware,
+    cores: int | None = None,
+    stage_to_rank=None,
+    nprocs: int | None = None,
+) -> float:
+    """Simulated step seconds of a plan (FLOP costs on ``hardware``); with ``cores`` < devices, the
+    devices share them: the step is at least the total work divided by the cores, times the
+    oversubscription of ``nprocs`` processes over the cores."""
+    from jaxmem.memory._cost import step_costs
+    from jaxmem.policy import from_spec
+    from jaxmem.schedule import Schedule, generate, simulate
+
+    schedule = generate(schedule_name, stages, microbatches)
+    if stage_to_rank is not None:
+        schedule = Schedule(schedule.ranks, stage_to_rank=stage_to_rank, name=schedule.name)
+    resolved = from_spec("save-all").resolve(schedule)
+    mb = batch // (data_parallel * microbatches)
+    costs = step_costs(model_config, schedule, resolved, list(layer_counts), microbatch=mb, seq=seq, hardware=hardware)
+    result = simulate(schedule, costs)
+    step = result.makespan
+    devices = stages * data_parallel
+    if cores and cores <= devices:
+        # Devices share the cores; a process's idle pipeline slots are taken by the others' threads.
+        step = sum(result.busy) * data_parallel / cores
+    if cores and nprocs and nprocs > cores:
+        step *= nprocs / cores
+    return step
+
+
+def _reroute_schedule(schedule_name: str, stages: int, microbatches: int, failed_rank: int):
+    """The failed rank's stage moved onto its neighbour (an extra virtual stage), as a schedule."""
+    from jaxmem.schedule import Schedule, generate, lockstep_ticks
+
+    base = generate(schedule_name, stages, microbatches)
+    neighbour = failed_rank - 1 if failed_rank > 0 else 1
+    ticks = lockstep_ticks(base)
+    rows = []
+    for r in range(stages):
+        if r == failed_rank:
+            continue
+        actions = list(base.actions(r))
+        if r == neighbour:
+            actions = sorted(actions + list(base.actions(failed_rank)), key=lambda a: (ticks[a], a.stage))
+        rows.append(actions)
+    survivors = [r for r in range(stages) if r != failed_rank]
+    stage_to_rank = tuple(
+        survivors.index(neighbour if base.stage_to_rank[s] == failed_rank else base.stage_to_rank[s])
+        for s in range(base.num_stages)
+    )
+    return Schedule(rows, stage_to_rank=stage_to_rank, name=f"{schedule_name}-reroute")
+
+
+def plan_recovery(
+    config,
+    *,
+    devices_per_proc: int,
+    nprocs: int,
+    failed: list[int],
+    spares: int = 0,
+    steps_done: int,
+    last_checkpoint: int,
+    measured_step_seconds: float | None = None,
+    restart_seconds: float = 15.0,
+    hardware=None,
+    cores: int | None = None,
+) -> RecoveryPlan:
+    """Score the strategies for the processes left after ``failed`` (process ranks) died.
+
+    Args:
+        config: the TrainConfig of the failed run (its plan, batch and horizon).
+        devices_per_proc: devices each process drives.
+        nprocs: processes of the failed run.
+        failed: ranks of the processes that died.
+        spares: idle processes available to replace failed ones.
+        steps_done: the last step reached before the failure.
+        last_checkpoint: the last complete checkpoint's step (work after it is lost).
+        measured_step_seconds: the pre-failure step time (calibrates the model).
+        restart_seconds: process start + compile + restore (measured by the launcher when it can).
+        cores: CPU cores the devices share (None: as many as devices).
+    """
+    from jaxmem.memory import get_hardware
+    from jaxmem.schedule import simulate
+    from jaxmem.schedule._table import ScheduleError
+
+    hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
+    cores = cores if cores is not None else None
+    model = config.model_config()
+    P, D, M = config.stages, config.data_parallel, config.microbatches
+    B, seq = config.batch_size, config.seq_len
+    schedule_name = config.schedule or "1f1b"
+    layers = model.n_layers
+    survivors = nprocs - len(failed)
+    devices_left = survivors * devices_per_proc
+    remaining = config.steps - last_checkpoint
+    lost_steps = steps_done - last_checkpoint
+    original_counts = tuple(config.layers_per_stage or _balanced(layers, P))
+    simulated_original = predicted_step_seconds(
+        model, schedule_name, P, D, M, B, seq, original_counts, hardware=hardware, cores=cores, nprocs=nprocs
+    )
+    scale = (measured_step_seconds / simulated_original) if measured_step_seconds else 1.0
+    old_step = measured_step_seconds or simulated_original
+    candidates = []
+
+    def add(name, nprocs_new, stages, data, counts, runnable=True, note="", stage_to_rank=None, schedule=None):
+        if (
+            stages < 1
+            or data < 1
+            or B % (data * M)
+            or (schedule is None and stages * data > nprocs_new * devices_per_proc)
+        ):
+            return
+        try:
+            if schedule is not None:
+                result = simulate(schedule, _costs_for(schedule))
+                step = result.makespan
+                if cores and cores <= stages * data:
+                    step = sum(result.busy) * data / cores
+                if cores and nprocs_new > cores:
+                    step *= nprocs_new / cores
+            else:
+                step = predicted_step_seconds(
+                    model,
+                    schedule_name,
+                    stages,
+                    data,
+                    M,
+                    B,
+                    seq,
+                    counts,
+                    hardware=hardware,
+                    cores=cores,
+                    nprocs=nprocs_new,
+                )
+        except (ScheduleError, JaxmemError):
+            return
+        step *= scale
+        recovery = 0.0 if name == "reroute" else restart_seconds
+        lost = lost_steps * old_step if name != "reroute" else 0.0
+        score = recovery + (remaining if name != "reroute" else config.steps - steps_done) * step
+        candidates.append(
+            Strategy(
+                name,
+                nprocs_new,
+                stages,
+                data,
+                tuple(counts) if counts else None,
+                runnable,
+                step,
+                recovery,
+                lost,
+                score + lost,
+                note,
+            )
+        )
+
+    def _costs_for(schedule):
+        from jaxmem.memory._cost import step_costs
+        from jaxmem.policy import from_spec
+
+        resolved = from_spec("save-all").resolve(schedule)
+        counts = list(original_counts)
+        return step_costs(model, schedule, resolved, counts, microbatch=B // (D * M), seq=seq, hardware=hardware)
+
+    if spares >= len(failed):
+        add("restart-on-spares", nprocs, P, D, original_counts, note=f"{len(failed)} spare(s) take over")
+    # Devices per process are the unit that fails; plans use whole processes.
+    if D > 1:
+        lost_replicas = len({(r * devices_per_proc) // (P) for r in failed})
+        d_new = D - max(lost_replicas, 1)
+        if d_new >= 1 and d_new * P <= devices_left:
+            add(
+                "shrink-data-parallel",
+                (d_new * P + devices_per_proc - 1) // devices_per_proc,
+                P,
+                d_new,
+                original_counts,
+                note=f"data {D} -> {d_new}",
+            )
+    for p_new in range(P - 1, 0, -1):
+        for d_new in range(D, 0, -1):
+            if p_new * d_new <= devices_left and layers >= p_new:
+                counts = _balanced(layers, p_new)
+                add(
+                    "re-partition",
+                    (p_new * d_new + devices_per_proc - 1) // devices_per_proc,
+                    p_new,
+                    d_new,
+                    counts,
+                    note=f"pipe {P} -> {p_new}, layers {list(counts)}",
+                )
+                break
+        if any(c.name == "re-partition" for c in candidates):
+            break
+    if D == 1 and len(failed) == 1 and P > 1 and devices_per_proc == 1:
+        rerouted = _reroute_schedule(schedule_name, P, M, failed[0] % P)
+        add(
+            "reroute",
+            survivors,
+            P - 1,
+            1,
+            original_counts,
+            runnable=False,
+            schedule=rerouted,
+            note="neighbour runs the failed stage as a second virtual stage",
+        )
+    runnable = [c for c in candidates if c.runnable]
+    choice = min(runnable, key=lambda c: c.score_seconds) if runnable else None
+    if choice is None:
+        raise RecoveryError(
+            f"{survivors} surviving process(es) x {devices_per_proc} device(s) cannot run this job: it needs at "
+            f"least {M} microbatches' worth of batch and one pipeline stage per device; the smallest runnable "
+            f"configuration is 1 process x 1 device (P=1, D=1) with batch divisible by {M}"
+        )
+    return RecoveryPlan(choice, tuple(candidates), devices_left, remaining)
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

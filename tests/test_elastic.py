@@ -1,0 +1,272 @@
+"""Elastic training: checkpoints, exact resume, restore onto smaller meshes, kills mid-save, the
+recovery planner, and a multi-process run that loses a worker."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmem.config import TrainConfig
+from jaxmem.elastic import Checkpointer, CheckpointError
+from jaxmem.train import Trainer
+
+SMALL = dict(microbatches=2, batch_size=4, seq_len=16)
+
+
+def _params(trainer, state):
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.pipeline.to_model_params(state.params))]
+
+
+def _run(trainer, state, steps):
+    losses = []
+    for _ in range(steps):
+        state, loss, _ = trainer.step(state)
+        losses.append(float(loss))
+    return state, losses
+
+
+def test_resume_on_an_unchanged_plan_is_bit_exact(tmp_path):
+    config = TrainConfig(stages=2, **SMALL)
+    straight = Trainer(config)
+    state, losses = _run(straight, straight.init_state(), 6)
+
+    first = Trainer(config)
+    half, head = _run(first, first.init_state(), 3)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    ckpt.save(half.step, *first.export_state(half))
+    ckpt.close()
+
+    second = Trainer(config)
+    restored = Checkpointer(tmp_path / "ckpt").restore(second.restore_target())
+    resumed, tail = _run(second, second.import_state(restored.state, restored.meta), 3)
+    assert head + tail == losses  # bit for bit
+    for a, b in zip(_params(second, resumed), _params(straight, state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_restore_onto_fewer_devices_8_6_4(tmp_path):
+    plans = [
+        dict(stages=4, data_parallel=2),
+        dict(stages=3, data_parallel=2, layers_per_stage=(3, 3, 2)),
+        dict(stages=4, data_parallel=1),
+    ]
+    trainer = Trainer(TrainConfig(**plans[0], **SMALL))
+    state = trainer.init_state()
+    state, _ = _run(trainer, state, 1)
+    reference = _params(trainer, state)
+    for i, plan in enumerate(plans[1:]):
+        ckpt = Checkpointer(tmp_path / f"c{i}", every=1)
+        ckpt.save(state.step, *trainer.export_state(state))
+        ckpt.close()
+        trainer = Trainer(TrainConfig(**plan, **SMALL))
+        restored = Checkpointer(tmp_path / f"c{i}").restore(trainer.restore_target())
+        state = trainer.import_state(restored.state, restored.meta)
+        assert trainer.mesh.size == plan["stages"] * plan["data_parallel"]
+        for a, b in zip(_params(trainer, state), reference):
+            np.testing.assert_array_equal(a, b)
+    state, losses = _run(trainer, state, 1)
+    assert np.isfinite(losses[0])
+
+
+def test_corrupted_array_is_caught_by_the_manifest(tmp_path):
+    trainer = Trainer(TrainConfig(stages=2, **SMALL))
+    state = trainer.init_state()
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    ckpt.save(1, *trainer.export_state(state))
+    ckpt.close()
+    # Damage the stored data: flip bytes in the largest data file of the step.
+    files = [p for p in (tmp_path / "ckpt" / "1").rglob("*") if p.is_file() and "manifest" not in p.name]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checkpoint step 1"):
+        Checkpointer(tmp_path / "ckpt").restore(trainer.restore_target())
+
+
+def test_a_directory_that_is_not_ours_is_refused(tmp_path):
+    (tmp_path / "mine.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="not a jaxmem checkpoint directory"):
+        Checkpointer(tmp_path)
+    assert (tmp_path / "mine.txt").read_text() == "precious"
+
+
+def test_an_unfinished_save_never_becomes_latest(tmp_path):
+    """In a surviving process: while an async save is in flight, latest_step is the previous one."""
+    trainer = Trainer(TrainConfig(stages=2, **SMALL))
+    state = trainer.init_state()
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    exported, meta = trainer.export_state(state)
+    ckpt.save(1, exported, meta)
+    ckpt.wait()
+    ckpt.save(2, exported, meta)
+    listed, latest = ckpt.steps(), ckpt.latest_step()
+    assert all((tmp_path / "ckpt" / str(s)).is_dir() for s in listed)  # only committed steps are listed
+    assert latest in listed and latest in (1, 2)
+    ckpt.close()
+    assert Checkpointer(tmp_path / "ckpt").latest_step() == 2
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax, jax.numpy as jnp
+    from jaxmem.elastic import Checkpointer
+    ckpt = Checkpointer(sys.argv[1], every=1)
+    small = {"w": jnp.ones((4,))}
+    ckpt.save(1, small, {"note": "complete"})
+    ckpt.wait()
+    big = {"w": jnp.ones((64, 1024, 1024))}  # 256 MiB: still being written when we die
+    ckpt.save(2, big, {"note": "killed"})
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_save_killed_mid_way_is_never_listed(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, timeout=300)
+    assert proc.returncode == -9
+    import jax.numpy as jnp
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    assert ckpt.latest_step() == 1 and ckpt.steps() == [1]
+    restored = ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    assert restored.meta["note"] == "complete"
+
+
+# ---------------------------------------------------------------- recovery planner and launcher
+def test_recovery_planner_scores_every_strategy():
+    from jaxmem.elastic._recovery import plan_recovery
+
+    config = TrainConfig(stages=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
+    plan = plan_recovery(
+        config,
+        devices_per_proc=2,
+        nprocs=4,
+        failed=[1],
+        spares=1,
+        steps_done=40,
+        last_checkpoint=35,
+        measured_step_seconds=0.5,
+        restart_seconds=20,
+    )
+    names = {c.name for c in plan.candidates}
+    assert {"restart-on-spares", "shrink-data-parallel", "re-partition"} <= names
+    assert plan.choice.name == "restart-on-spares"  # same speed, nothing lost but the restart
+    assert all(c.lost_seconds == pytest.approx(5 * 0.5) for c in plan.candidates if c.runnable)
+    no_spares = plan_recovery(
+        config, devices_per_proc=2, nprocs=4, failed=[1], steps_done=40, last_checkpoint=35, measured_step_seconds=0.5
+    )
+    assert no_spares.choice.name in ("shrink-data-parallel", "re-partition")
+
+
+def test_elastic_plan_cli_and_its_errors(capsys):
+    from jaxmem.cli import main
+
+    code = main(
+        [
+            "elastic",
+            "plan",
+            "--devices",
+            "4",
+            "--failed",
+            "1",
+            "--json",
+            "--",
+            "--stages",
+            "4",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "8",
+            "--steps",
+            "50",
+        ]
+    )
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and record["choice"]["name"] == "re-partition"
+    assert any(c["name"] == "reroute" and not c["runnable"] for c in record["candidates"])
+    code = main(["elastic", "plan", "--devices", "8", "--failed", "1", "--", "--stages", "4"])
+    assert code == 2 and "does not match the job" in capsys.readouterr().err
+    code = main(["launch", "--nprocs", "100000", "--", "--steps", "1"])
+    assert code == 2 and "more than this machine can start" in capsys.readouterr().err
+
+
+def test_no_survivor_plan_names_the_smallest_configuration():
+    from jaxmem.elastic._recovery import RecoveryError, plan_recovery
+
+    config = TrainConfig(stages=2, microbatches=2, batch_size=4, steps=10)
+    with pytest.raises(RecoveryError, match="smallest runnable configuration"):
+        plan_recovery(config, devices_per_proc=1, nprocs=2, failed=[0, 1], steps_done=3, last_checkpoint=2)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
+    """Two workers, one SIGKILLed mid-run: the launcher re-plans for the survivor, resumes from the
+    last checkpoint, and the run ends with the failure-free losses."""
+    run_dir = tmp_path / "run"
+    args = [
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--steps",
+        "10",
+        "--checkpoint-every",
+        "2",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    start = time.time()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxmem",
+            "launch",
+            "--nprocs",
+            "2",
+            "--heartbeat-seconds",
+            "60",
+            "--run-dir",
+            str(run_dir),
+            "--inject-failure",
+            "rank=1,step=6",
+            "--timeout",
+            "500",
+            "--json",
+            "--",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert len(result["attempts"]) == 2 and result["attempts"][0]["failed_rank"] == 1
+    assert result["attempts"][0]["strategy"]["name"] == "re-partition"
+    summary = result["summary"]
+    assert summary["steps"] == 10 and summary["resumed_from"] is not None
+    # Every sample consumed exactly once, every step once.
+    lines = [line.split() for line in (run_dir / "samples.log").read_text().splitlines() if line.strip()]
+    assert [int(x[0]) for x in lines] == list(range(1, 11))
+    ids = [int(i) for x in lines for i in x[1:]]
+    assert sorted(ids) == list(range(40))
+    # The failure-free run, in this process: the same losses (plan changed: P=2 -> P=1).
+    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, steps=10))
+    _, reference = _run(trainer, trainer.init_state(), 10)
+    np.testing.assert_allclose(summary["losses"], reference[-len(summary["losses"]) :], rtol=1e-5)
+    assert time.time() - start < 560
