@@ -299,8 +299,9 @@ def _rollback_sample_log(path: str, step: int) -> None:
         f.writelines(lines)
 
 
-def _after_step(config: TrainConfig, state: TrainState, batch: Batch) -> None:
-    """Per-step side channels: sample log, heartbeat for the launcher, injected failure."""
+def _after_step(config: TrainConfig, state: TrainState, batch: Batch, step_times: list | None = None) -> None:
+    """Per-step side channels: sample log, heartbeat for the launcher (the step reached and the median
+    step seconds so far, which calibrates the recovery planner), injected failure."""
     import os
     import signal
 
@@ -309,8 +310,9 @@ def _after_step(config: TrainConfig, state: TrainState, batch: Batch) -> None:
             f.write(f"{state.step} {' '.join(str(i) for i in batch.sample_ids)}\n")
     heartbeat = os.environ.get("JAXMEM_HEARTBEAT_FILE")
     if heartbeat:
+        median = f" {float(np.median(step_times)):.6f}" if step_times else ""
         with open(heartbeat, "w") as f:
-            f.write(str(state.step))
+            f.write(f"{state.step}{median}")
     fail_at = os.environ.get("JAXMEM_FAIL_AT_STEP")
     if fail_at and state.step >= int(fail_at):
         os.kill(os.getpid(), signal.SIGKILL)  # a drill: die the hard way, like a lost host
@@ -381,7 +383,7 @@ def train(config: TrainConfig, *, progress: bool = True, on_step: Callable | Non
             if compile_seconds is None:
                 compile_seconds = time.perf_counter() - start
                 run_start = time.perf_counter()
-            _after_step(config, state, batch)
+            _after_step(config, state, batch, step_times)
             if checkpointer is not None and checkpointer.should_save(state.step):
                 exported, meta = trainer.export_state(state)
                 checkpointer.save(state.step, exported, meta)

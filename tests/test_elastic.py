@@ -143,12 +143,10 @@ def test_a_save_killed_mid_way_is_never_listed(tmp_path):
 
 
 # ---------------------------------------------------------------- recovery planner and launcher
-def test_recovery_planner_scores_every_strategy():
+def _plan(config, **overrides):
     from jaxmem.elastic._recovery import plan_recovery
 
-    config = TrainConfig(stages=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
-    plan = plan_recovery(
-        config,
+    kwargs = dict(
         devices_per_proc=2,
         nprocs=4,
         failed=[1],
@@ -158,14 +156,55 @@ def test_recovery_planner_scores_every_strategy():
         measured_step_seconds=0.5,
         restart_seconds=20,
     )
+    return plan_recovery(config, **(kwargs | overrides))
+
+
+def test_recovery_planner_scores_every_strategy():
+    config = TrainConfig(stages=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
+    plan = _plan(config)
     names = {c.name for c in plan.candidates}
     assert {"restart-on-spares", "shrink-data-parallel", "re-partition"} <= names
     assert plan.choice.name == "restart-on-spares"  # same speed, nothing lost but the restart
     assert all(c.lost_seconds == pytest.approx(5 * 0.5) for c in plan.candidates if c.runnable)
-    no_spares = plan_recovery(
-        config, devices_per_proc=2, nprocs=4, failed=[1], steps_done=40, last_checkpoint=35, measured_step_seconds=0.5
-    )
+    no_spares = _plan(config, spares=0, restart_seconds=15.0)
     assert no_spares.choice.name in ("shrink-data-parallel", "re-partition")
+
+
+def test_shared_core_model_and_calibration():
+    """The CPU model is the documented lockstep sum, and the pre-failure measurement calibrates it:
+    the unchanged plan (restart on spares) is predicted at exactly the measured step."""
+    from jaxmem.elastic import _recovery as rec
+    from jaxmem.schedule import Costs, generate
+
+    schedule = generate("1f1b", 2, 1)  # ticks: 0F0, 1F0, 1B0, 0B0 -- one busy rank per tick
+    costs = Costs(f=1.0, b=2.0)
+    free_ticks = float("inf")  # a FLOP rate that makes the fixed tick cost vanish
+    seconds, ticks = rec._step_parts(schedule, costs, 1, 2, free_ticks)
+    assert ticks == 4 and seconds == pytest.approx((0.5 + rec.CPU_IMBALANCE * 0.5) * (1 + 1 + 2 + 2))
+    # Each tick's fixed cost is CPU_TICK_FLOPS at the hardware's rate.
+    assert rec._step_parts(schedule, costs, 1, 2, rec.CPU_TICK_FLOPS)[0] == pytest.approx(seconds + 4)
+    # Data parallel 2 on 2 cores: both replicas' work spreads evenly, no imbalance term.
+    assert rec._step_parts(schedule, costs, 2, 2, free_ticks)[0] == pytest.approx(6.0)
+    # One device per accelerator (no shared cores): the simulated makespan, no tick cost.
+    assert rec._step_parts(schedule, costs, 1, None, 1.0) == (6.0, 0)
+
+    config = TrainConfig(stages=4, microbatches=4, batch_size=32, seq_len=64, steps=48)
+    plan = _plan(config, nprocs=2, steps_done=19, last_checkpoint=16, measured_step_seconds=0.3, cores=2)
+    by_name = {c.name: c for c in plan.candidates}
+    assert by_name["restart-on-spares"].step_seconds == pytest.approx(0.3)
+    # Pipe 2 on the one surviving process: more imbalance per tick, fewer ticks.
+    assert 0.15 < by_name["re-partition"].step_seconds < 0.45
+
+
+def test_heartbeat_carries_the_workers_median_step(tmp_path):
+    from jaxmem.elastic._launcher import _read_heartbeat, _read_step
+
+    beat = tmp_path / "hb"
+    beat.write_text("12 0.250000")
+    assert _read_heartbeat(beat) == (12, 0.25) and _read_step(beat) == 12
+    beat.write_text("3")
+    assert _read_heartbeat(beat) == (3, None)
+    assert _read_heartbeat(tmp_path / "missing") == (None, None)
 
 
 def test_elastic_plan_cli_and_its_errors(capsys):

@@ -55,6 +55,7 @@ class Attempt:
     failed_at: float | None = None
     exit_codes: list = dataclasses.field(default_factory=list)
     strategy: dict | None = None
+    measured_step_seconds: float | None = None  # the pre-failure step that calibrated the planner
 
 
 @dataclasses.dataclass
@@ -89,11 +90,17 @@ def _with_flag(args: list, flag: str, value) -> list:
     return out + ([flag, str(value)] if value is not None else [])
 
 
-def _read_step(path: Path) -> int | None:
+def _read_heartbeat(path: Path) -> tuple[int | None, float | None]:
+    """(step reached, the worker's median step seconds so far) from a heartbeat file."""
     try:
-        return int(path.read_text().strip() or -1)
+        fields = path.read_text().split()
+        return int(fields[0]) if fields else None, float(fields[1]) if len(fields) > 1 else None
     except (OSError, ValueError):
-        return None
+        return None, None
+
+
+def _read_step(path: Path) -> int | None:
+    return _read_heartbeat(path)[0]
 
 
 def launch(
@@ -228,11 +235,15 @@ def launch(
         steps_done = max((_read_step(h) or 0) for h in heartbeats)
         last_ckpt = _latest_checkpoint(Path(_flag_value(args, "--checkpoint-dir")))
         first = attempt.first_step_at
-        measured = None
+        # The pre-failure step: the workers' own median step times (compile excluded; checkpoint saves
+        # and stragglers do not move a median); from heartbeat times when no worker reported one.
+        reported = sorted(m for m in (_read_heartbeat(h)[1] for h in heartbeats) if m)
+        measured = reported[len(reported) // 2] if reported else None
         steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
         deltas = [(t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0]
-        if deltas:  # the median step: checkpoint saves and stragglers do not move it
+        if measured is None and deltas:
             measured = sorted(deltas)[len(deltas) // 2]
+        attempt.measured_step_seconds = measured
         restart_seconds = (first - attempt.started) if first else 15.0
         log(f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); planning recovery")
         plan = plan_recovery(

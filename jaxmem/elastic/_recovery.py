@@ -14,11 +14,20 @@ Every strategy keeps the logical batch: the global batch and its microbatch coun
 is used exactly once and the loss curve continues. The score is
 ``recovery (restart + compile + restore) + lost work since the last checkpoint + remaining steps x
 predicted step time``; the step time comes from the schedule simulator with FLOP costs on the
-hardware profile, scaled by the ratio measured/simulated of the pre-failure run. On a CPU with no
-more cores than devices, devices share the cores and the threads of one process fill another's
-pipeline bubbles: a step takes the total work over the cores; and processes beyond the cores slow
-every step in proportion (time-slicing and collectives between more processes than cores; fitted on
-this 2-core machine, where 4 processes take twice as long per step as 2 for the same work).
+hardware profile, calibrated by the measured pre-failure step (the worker's own median step time).
+
+On a CPU whose cores are shared by the virtual devices (fewer cores than devices), the model follows
+how the executor really runs: ticks in lockstep (one action per rank per tick, results exchanged
+between ticks). A tick costs its busy ranks' work spread over the cores, plus a part
+(``CPU_IMBALANCE``) of the excess of its longest action over that even share -- an idle device's core
+only partly helps a busy one -- plus a fixed cost (the rank's switch dispatch and the
+activation/gradient exchange) of ``CPU_TICK_FLOPS`` FLOP-equivalents. Processes beyond the cores slow
+every step by ``(processes / cores) ** OVERSUBSCRIPTION`` (time-slicing; collectives between
+processes waiting for a core). The three constants are fitted on this 2-core machine from
+failure-free runs of the tiny model (1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2 on
+1 to 4 processes; 5% worst error on up to 2 processes); ``benchmarks/elastic.py`` checks them on runs
+with failures. The calibration is one factor, measured / modelled pre-failure step, applied to every
+candidate: the machine's speed drifts (by up to a third here between runs), its shape does not.
 """
 
 from __future__ import annotations
@@ -27,6 +36,11 @@ import dataclasses
 import os
 
 from jaxmem._errors import JaxmemError
+
+# The shared-core CPU model's constants, fitted on the 2-core development machine (module docstring).
+CPU_TICK_FLOPS = 0.73e9  # fixed cost of one lockstep tick, as the FLOPs that take as long to compute
+CPU_IMBALANCE = 0.7  # share of a tick's longest-action excess over the even split that is not absorbed
+OVERSUBSCRIPTION = 0.2  # slowdown exponent of processes beyond the cores
 
 __all__ = ["RecoveryError", "RecoveryPlan", "Strategy", "plan_recovery", "predicted_step_seconds"]
 
@@ -90,6 +104,37 @@ def _balanced(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(stages))
 
 
+def _oversubscription(nprocs: int | None, cores: int | None) -> float:
+    return (nprocs / cores) ** OVERSUBSCRIPTION if cores and nprocs and nprocs > cores else 1.0
+
+
+def _step_parts(schedule, costs, data_parallel: int, cores: int | None, rate: float) -> tuple[float, int]:
+    """(modelled seconds, ticks) of one step. Without ``cores`` (one device per accelerator) the
+    simulated makespan; with ``cores`` shared by the devices, the lockstep sum of the module
+    docstring (``rate``: the hardware's FLOP/s, to price the fixed tick cost)."""
+    from jaxmem.schedule import lockstep_ticks, simulate
+
+    if not cores or cores > schedule.num_ranks * data_parallel:
+        return simulate(schedule, costs).makespan, 0
+    per_tick: dict[int, list[float]] = {}
+    for action, tick in lockstep_ticks(schedule).items():
+        per_tick.setdefault(tick, []).append(costs.duration(action, schedule))
+    seconds = len(per_tick) * CPU_TICK_FLOPS / rate
+    for works in per_tick.values():
+        even = sum(works) * data_parallel / cores
+        seconds += even + CPU_IMBALANCE * max(max(works) - even, 0.0)
+    return seconds, len(per_tick)
+
+
+def _plan_costs(model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware):
+    from jaxmem.memory._cost import step_costs
+    from jaxmem.policy import from_spec
+
+    resolved = from_spec("save-all").resolve(schedule)
+    mb = batch // (data_parallel * microbatches)
+    return step_costs(model_config, schedule, resolved, list(layer_counts), microbatch=mb, seq=seq, hardware=hardware)
+
+
 def predicted_step_seconds(
     model_config,
     schedule_name: str,
@@ -105,28 +150,16 @@ def predicted_step_seconds(
     stage_to_rank=None,
     nprocs: int | None = None,
 ) -> float:
-    """Simulated step seconds of a plan (FLOP costs on ``hardware``); with ``cores`` < devices, the
-    devices share them: the step is at least the total work divided by the cores, times the
-    oversubscription of ``nprocs`` processes over the cores."""
-    from jaxmem.memory._cost import step_costs
-    from jaxmem.policy import from_spec
-    from jaxmem.schedule import Schedule, generate, simulate
+    """Modelled step seconds of a plan before calibration (FLOP costs on ``hardware``); with
+    ``cores`` fewer than the devices, the shared-core lockstep model of the module docstring."""
+    from jaxmem.schedule import Schedule, generate
 
     schedule = generate(schedule_name, stages, microbatches)
     if stage_to_rank is not None:
         schedule = Schedule(schedule.ranks, stage_to_rank=stage_to_rank, name=schedule.name)
-    resolved = from_spec("save-all").resolve(schedule)
-    mb = batch // (data_parallel * microbatches)
-    costs = step_costs(model_config, schedule, resolved, list(layer_counts), microbatch=mb, seq=seq, hardware=hardware)
-    result = simulate(schedule, costs)
-    step = result.makespan
-    devices = stages * data_parallel
-    if cores and cores <= devices:
-        # Devices share the cores; a process's idle pipeline slots are taken by the others' threads.
-        step = sum(result.busy) * data_parallel / cores
-    if cores and nprocs and nprocs > cores:
-        step *= nprocs / cores
-    return step
+    costs = _plan_costs(model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware)
+    seconds, _ = _step_parts(schedule, costs, data_parallel, cores, hardware.flops_per_second)
+    return seconds * _oversubscription(nprocs, cores)
 
 
 def _reroute_schedule(schedule_name: str, stages: int, microbatches: int, failed_rank: int):
@@ -181,7 +214,6 @@ def plan_recovery(
         cores: CPU cores the devices share (None: as many as devices).
     """
     from jaxmem.memory import get_hardware
-    from jaxmem.schedule import simulate
     from jaxmem.schedule._table import ScheduleError
 
     hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
@@ -196,11 +228,17 @@ def plan_recovery(
     remaining = config.steps - last_checkpoint
     lost_steps = steps_done - last_checkpoint
     original_counts = tuple(config.layers_per_stage or _balanced(layers, P))
-    simulated_original = predicted_step_seconds(
-        model, schedule_name, P, D, M, B, seq, original_counts, hardware=hardware, cores=cores, nprocs=nprocs
-    )
-    scale = (measured_step_seconds / simulated_original) if measured_step_seconds else 1.0
-    old_step = measured_step_seconds or simulated_original
+
+    def parts(stages, data, counts, schedule=None):
+        from jaxmem.schedule import generate
+
+        schedule = schedule or generate(schedule_name, stages, M)
+        costs = _plan_costs(model, schedule, data, M, B, seq, counts, hardware)
+        return _step_parts(schedule, costs, data, cores, hardware.flops_per_second)[0]
+
+    modelled_original = parts(P, D, original_counts) * _oversubscription(nprocs, cores)
+    scale = measured_step_seconds / modelled_original if measured_step_seconds else 1.0
+    old_step = measured_step_seconds or modelled_original
     candidates = []
 
     def add(name, nprocs_new, stages, data, counts, runnable=True, note="", stage_to_rank=None, schedule=None):
@@ -212,30 +250,9 @@ def plan_recovery(
         ):
             return
         try:
-            if schedule is not None:
-                result = simulate(schedule, _costs_for(schedule))
-                step = result.makespan
-                if cores and cores <= stages * data:
-                    step = sum(result.busy) * data / cores
-                if cores and nprocs_new > cores:
-                    step *= nprocs_new / cores
-            else:
-                step = predicted_step_seconds(
-                    model,
-                    schedule_name,
-                    stages,
-                    data,
-                    M,
-                    B,
-                    seq,
-                    counts,
-                    hardware=hardware,
-                    cores=cores,
-                    nprocs=nprocs_new,
-                )
+            step = parts(stages, data, counts, schedule) * scale * _oversubscription(nprocs_new, cores)
         except (ScheduleError, JaxmemError):
             return
-        step *= scale
         recovery = 0.0 if name == "reroute" else restart_seconds
         lost = lost_steps * old_step if name != "reroute" else 0.0
         score = recovery + (remaining if name != "reroute" else config.steps - steps_done) * step
@@ -254,14 +271,6 @@ def plan_recovery(
                 note,
             )
         )
-
-    def _costs_for(schedule):
-        from jaxmem.memory._cost import step_costs
-        from jaxmem.policy import from_spec
-
-        resolved = from_spec("save-all").resolve(schedule)
-        counts = list(original_counts)
-        return step_costs(model, schedule, resolved, counts, microbatch=B // (D * M), seq=seq, hardware=hardware)
 
     if spares >= len(failed):
         add("restart-on-spares", nprocs, P, D, original_counts, note=f"{len(failed)} spare(s) take over")
