@@ -1,0 +1,93 @@
+"""Measured step time of each recompute policy at each sequence length, on this machine: which policy
+is really fastest here (the question the online profiler's cost model must answer).
+
+    python benchmarks/policy_times.py [--buckets 32,64,128] [--steps 8] [--json]
+
+Tiny GPT (max_seq_len raised to the largest bucket), 1F1B P=4 M=8, batch 32, synthetic tokens. Per
+(policy, length): one compile, one warm-up step, then the median of ``--steps`` timed steps; the
+simulated step time on the calibrated CPU profile is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxmem.config import TrainConfig  # noqa: E402
+from jaxmem.memory import get_hardware  # noqa: E402
+from jaxmem.memory._cost import simulate_step  # noqa: E402
+from jaxmem.models import get_config  # noqa: E402
+from jaxmem.train import Trainer  # noqa: E402
+
+POLICIES = ("save-all", "selective", "recompute-all")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--buckets", default="32,64,128", help="sequence lengths (comma-separated)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per policy and length")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    buckets = [int(b) for b in args.buckets.split(",")]
+    model = dataclasses.replace(get_config("tiny"), max_seq_len=max(buckets))
+    hardware = get_hardware("cpu")
+    rows = []
+    for seq in buckets:
+        for policy in POLICIES:
+            config = TrainConfig(model=model, seq_len=seq, batch_size=32, policy=policy, data="synthetic")
+            trainer = Trainer(config)
+            state = trainer.init_state()
+            start = time.perf_counter()
+            state, loss, _ = trainer.step(state)
+            jax.block_until_ready(loss)
+            first = time.perf_counter() - start
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                state, loss, _ = trainer.step(state)
+                jax.block_until_ready(loss)
+                times.append(time.perf_counter() - start)
+            simulated = simulate_step(
+                trainer.model_config,
+                trainer.schedule,
+                policy,
+                trainer.pipeline.layer_counts,
+                microbatch=32 // config.microbatches,
+                seq=seq,
+                hardware=hardware,
+            ).makespan
+            row = {
+                "seq_len": seq,
+                "policy": policy,
+                "compile_and_first_step_seconds": first,
+                "step_seconds_median": float(np.median(times)),
+                "step_seconds_min": float(np.min(times)),
+                "simulated_step_seconds": simulated,
+            }
+            rows.append(row)
+            print(
+                f"seq {seq:4d}  {policy:14s} step {row['step_seconds_median']:.3f}s (min {row['step_seconds_min']:.3f})"
+                f"  simulated {simulated:.3f}s  compile+first {first:.1f}s",
+                file=sys.stderr,
+            )
+    fastest = {
+        seq: min((r for r in rows if r["seq_len"] == seq), key=lambda r: r["step_seconds_median"])["policy"]
+        for seq in buckets
+    }
+    record = {"benchmark": "policy_times", "platform": jax.devices()[0].platform, "rows": rows, "fastest": fastest}
+    print(json.dumps(record, indent=2) if args.json else json.dumps(fastest))
+    return record
+
+
+if __name__ == "__main__":
+    main()
