@@ -18,7 +18,10 @@ hash of the traced program -- and dispatches to the program cached for it. On a 
    fits, raises :class:`BudgetError` with the deficit in bytes;
 4. refines from measured step times: per policy, the ratio of measured to simulated step time is
    tracked (with limited information, the simulator's figure; then the measured correction), so
-   later signatures rank policies by what they really cost here.
+   later signatures rank the policies it has run by what they really cost here. A policy never run
+   borrows the mean correction of the others, so its rank against them stays the simulator's: where
+   the simulator is wrong about a policy it never chooses (on CPU, full recompute is faster than it
+   predicts; ``benchmarks/policy_times.py``), the profiler does not find out.
 
 Offload saves no device memory on CPU (XLA:CPU does not lower it), so on CPU the default ladder holds
 only recompute policies and every budget check is a measured ``memory_analysis()`` figure.
