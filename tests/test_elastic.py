@@ -233,6 +233,25 @@ def test_elastic_plan_cli_and_its_errors(capsys):
     record = json.loads(capsys.readouterr().out)
     assert code == 0 and record["choice"]["name"] == "re-partition"
     assert any(c["name"] == "reroute" and not c["runnable"] for c in record["candidates"])
+    # --hardware cpu: the launcher's view, the machine's cores shared by the devices.
+    train_args = ["--stages", "4", "--microbatches", "4", "--batch-size", "32", "--seq-len", "64", "--steps", "48"]
+    cpu_args = ["--devices-per-proc", "2", "--hardware", "cpu", "--step-seconds", "0.3", "--json", "--", *train_args]
+    code = main(["elastic", "plan", "--devices", "4", "--failed", "1", *cpu_args])
+    record = json.loads(capsys.readouterr().out)
+    from jaxmem.elastic._recovery import cpu_cores
+
+    expected = _plan(
+        TrainConfig(stages=4, microbatches=4, batch_size=32, seq_len=64, steps=48),
+        nprocs=2,
+        spares=0,
+        steps_done=0,
+        last_checkpoint=0,
+        measured_step_seconds=0.3,
+        restart_seconds=15.0,
+        hardware="cpu",
+        cores=cpu_cores(),
+    )
+    assert code == 0 and record["choice"]["step_seconds"] == pytest.approx(expected.choice.step_seconds)
     code = main(["elastic", "plan", "--devices", "8", "--failed", "1", "--", "--stages", "4"])
     assert code == 2 and "does not match the job" in capsys.readouterr().err
     code = main(["launch", "--nprocs", "100000", "--", "--steps", "1"])

@@ -34,7 +34,12 @@ def add_parser(sub) -> None:
     a.add_argument("--last-checkpoint", type=int, default=0, help="step of the last complete checkpoint")
     a.add_argument("--step-seconds", type=float, help="measured step time before the failure")
     a.add_argument("--restart-seconds", type=float, default=15.0, help="restart + compile + restore time")
-    a.add_argument("--hardware", default="h100", help="hardware profile for the model (default h100)")
+    a.add_argument(
+        "--hardware",
+        default="h100",
+        help="hardware profile for the model (default h100; cpu: this machine, its cores shared by the "
+        "devices as `jaxmem launch` runs them)",
+    )
     a.add_argument("--json", action="store_true")
     a.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the job's jaxmem train arguments")
     a.set_defaults(run=run)
@@ -44,7 +49,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from jaxmem._errors import JaxmemError
     from jaxmem.elastic._launcher import _parse
-    from jaxmem.elastic._recovery import plan_recovery
+    from jaxmem.elastic._recovery import cpu_cores, plan_recovery
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     config = _parse(train_args)
@@ -71,6 +76,7 @@ def run(args) -> int:
         measured_step_seconds=args.step_seconds,
         restart_seconds=args.restart_seconds,
         hardware=args.hardware,
+        cores=cpu_cores() if str(args.hardware).strip().lower() == "cpu" else None,
     )
     if args.json:
         print_json(plan.to_json())
