@@ -153,8 +153,13 @@ class Checkpointer:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
             )
-        except (ValueError, OSError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} cannot be read (damaged or incomplete files): "
+                f"{type(e).__name__}: {first}; restore an earlier step "
+                f"({[s for s in self.steps() if s != step] or 'none available'})"
+            ) from None
         state, meta = restored["state"], restored["meta"]
         manifest = meta.get("manifest", {})
         actual = array_checksums(state)
