@@ -171,7 +171,7 @@ def main(argv=None):
                 runs[label] = {
                     "strategy": repeats[0]["strategy"],
                     "strategies": sorted({r["strategy"] for r in repeats}),
-                    "recovered": all(r["recovered"] for r in repeats),
+                    "recovered": all(r.get("recovered", False) for r in repeats),
                     "samples_exactly_once": all(r["samples_exactly_once"] for r in repeats),
                     "predicted_step_seconds": predicted,
                     "measured_step_seconds": measured,

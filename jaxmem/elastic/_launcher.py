@@ -232,17 +232,17 @@ def launch(
         attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
         _stop(procs)
         attempt.exit_codes = [p.returncode for p in procs]
-        steps_done = max((_read_step(h) or 0) for h in heartbeats)
+        beats = [_read_heartbeat(h) for h in heartbeats]
+        steps_done = max((step or 0) for step, _ in beats)
         last_ckpt = _latest_checkpoint(Path(_flag_value(args, "--checkpoint-dir")))
         first = attempt.first_step_at
         # The pre-failure step: the workers' own median step times (compile excluded; checkpoint saves
         # and stragglers do not move a median); from heartbeat times when no worker reported one.
-        reported = sorted(m for m in (_read_heartbeat(h)[1] for h in heartbeats) if m)
+        reported = sorted(m for _, m in beats if m)
+        if not reported:
+            steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
+            reported = sorted((t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0)
         measured = reported[len(reported) // 2] if reported else None
-        steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
-        deltas = [(t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0]
-        if measured is None and deltas:
-            measured = sorted(deltas)[len(deltas) // 2]
         attempt.measured_step_seconds = measured
         restart_seconds = (first - attempt.started) if first else 15.0
         log(f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); planning recovery")

@@ -108,14 +108,14 @@ def _oversubscription(nprocs: int | None, cores: int | None) -> float:
     return (nprocs / cores) ** OVERSUBSCRIPTION if cores and nprocs and nprocs > cores else 1.0
 
 
-def _step_parts(schedule, costs, data_parallel: int, cores: int | None, rate: float) -> tuple[float, int]:
-    """(modelled seconds, ticks) of one step. Without ``cores`` (one device per accelerator) the
-    simulated makespan; with ``cores`` shared by the devices, the lockstep sum of the module
-    docstring (``rate``: the hardware's FLOP/s, to price the fixed tick cost)."""
+def _step_seconds(schedule, costs, data_parallel: int, cores: int | None, rate: float) -> float:
+    """Modelled seconds of one step. Without ``cores`` (one device per accelerator) the simulated
+    makespan; with ``cores`` shared by the devices, the lockstep sum of the module docstring
+    (``rate``: the hardware's FLOP/s, to price the fixed tick cost)."""
     from jaxmem.schedule import lockstep_ticks, simulate
 
     if not cores or cores > schedule.num_ranks * data_parallel:
-        return simulate(schedule, costs).makespan, 0
+        return simulate(schedule, costs).makespan
     per_tick: dict[int, list[float]] = {}
     for action, tick in lockstep_ticks(schedule).items():
         per_tick.setdefault(tick, []).append(costs.duration(action, schedule))
@@ -123,16 +123,18 @@ def _step_parts(schedule, costs, data_parallel: int, cores: int | None, rate: fl
     for works in per_tick.values():
         even = sum(works) * data_parallel / cores
         seconds += even + CPU_IMBALANCE * max(max(works) - even, 0.0)
-    return seconds, len(per_tick)
+    return seconds
 
 
-def _plan_costs(model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware):
+def _modelled_seconds(model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware, cores):
+    """A plan's step before calibration and oversubscription: save-all costs on ``hardware``."""
     from jaxmem.memory._cost import step_costs
     from jaxmem.policy import from_spec
 
     resolved = from_spec("save-all").resolve(schedule)
     mb = batch // (data_parallel * microbatches)
-    return step_costs(model_config, schedule, resolved, list(layer_counts), microbatch=mb, seq=seq, hardware=hardware)
+    costs = step_costs(model_config, schedule, resolved, list(layer_counts), microbatch=mb, seq=seq, hardware=hardware)
+    return _step_seconds(schedule, costs, data_parallel, cores, hardware.flops_per_second)
 
 
 def predicted_step_seconds(
@@ -157,8 +159,9 @@ def predicted_step_seconds(
     schedule = generate(schedule_name, stages, microbatches)
     if stage_to_rank is not None:
         schedule = Schedule(schedule.ranks, stage_to_rank=stage_to_rank, name=schedule.name)
-    costs = _plan_costs(model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware)
-    seconds, _ = _step_parts(schedule, costs, data_parallel, cores, hardware.flops_per_second)
+    seconds = _modelled_seconds(
+        model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware, cores
+    )
     return seconds * _oversubscription(nprocs, cores)
 
 
@@ -214,10 +217,10 @@ def plan_recovery(
         cores: CPU cores the devices share (None: as many as devices).
     """
     from jaxmem.memory import get_hardware
+    from jaxmem.schedule import generate
     from jaxmem.schedule._table import ScheduleError
 
     hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
-    cores = cores if cores is not None else None
     model = config.model_config()
     P, D, M = config.stages, config.data_parallel, config.microbatches
     B, seq = config.batch_size, config.seq_len
@@ -229,14 +232,11 @@ def plan_recovery(
     lost_steps = steps_done - last_checkpoint
     original_counts = tuple(config.layers_per_stage or _balanced(layers, P))
 
-    def parts(stages, data, counts, schedule=None):
-        from jaxmem.schedule import generate
-
+    def modelled(stages, data, counts, schedule=None):
         schedule = schedule or generate(schedule_name, stages, M)
-        costs = _plan_costs(model, schedule, data, M, B, seq, counts, hardware)
-        return _step_parts(schedule, costs, data, cores, hardware.flops_per_second)[0]
+        return _modelled_seconds(model, schedule, data, M, B, seq, counts, hardware, cores)
 
-    modelled_original = parts(P, D, original_counts) * _oversubscription(nprocs, cores)
+    modelled_original = modelled(P, D, original_counts) * _oversubscription(nprocs, cores)
     scale = measured_step_seconds / modelled_original if measured_step_seconds else 1.0
     old_step = measured_step_seconds or modelled_original
     candidates = []
@@ -250,7 +250,7 @@ def plan_recovery(
         ):
             return
         try:
-            step = parts(stages, data, counts, schedule) * scale * _oversubscription(nprocs_new, cores)
+            step = modelled(stages, data, counts, schedule) * scale * _oversubscription(nprocs_new, cores)
         except (ScheduleError, JaxmemError):
             return
         recovery = 0.0 if name == "reroute" else restart_seconds
