@@ -43,6 +43,8 @@ class TrainConfig:
         layer_drop: probability that a step skips one randomly chosen layer (decided in Python, so a
             different program).
         profile_report: JSON file for the profiler's per-signature table.
+        explore: let the profiler measure policies it has not run (a background compile beside a
+            signature's program, while the rest of the run can pay for it); see ``AdaptiveProfiler``.
         checkpoint_dir: save the train state here and resume from its latest complete step.
         checkpoint_every: save every N steps (and at the end).
         keep_checkpoints: keep the last K steps.
@@ -74,6 +76,7 @@ class TrainConfig:
     seq_len_order: str = "cycle"
     layer_drop: float = 0.0
     profile_report: str | None = None
+    explore: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
@@ -114,7 +117,8 @@ class TrainConfig:
 
         config = get_config(self.model)
         if self.seq_len > config.max_seq_len:
-            raise JaxmemError(f"--seq-len {self.seq_len} exceeds {self.model}'s max_seq_len {config.max_seq_len}")
+            name = f"{self.model}'s" if isinstance(self.model, str) else "the model's"
+            raise JaxmemError(f"--seq-len {self.seq_len} exceeds {name} max_seq_len {config.max_seq_len}")
         return config
 
     def build_schedule(self) -> Schedule:

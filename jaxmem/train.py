@@ -446,6 +446,16 @@ def adaptive_workload(config: TrainConfig):
         yield seq, drop
 
 
+def _explored_text(explored: dict) -> str:
+    if "why" in explored:
+        return f"{explored['policy']} dropped ({explored['why']})"
+    verdict = "kept" if explored["kept"] else "not kept"
+    return (
+        f"{explored['policy']} {explored['step_seconds']:.3f}s/step vs {explored['instead_of']} "
+        f"{explored['instead_of_step_seconds']:.3f}s/step -> {explored['policy']} {verdict}"
+    )
+
+
 def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
     """Training under the online profiler: the program changes with the workload, the policy follows."""
     from rich.console import Console
@@ -455,10 +465,10 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
     trainer = Trainer(config)
     state = trainer.init_state()
     hardware = None if config.hardware == "auto" else config.hardware
-    profiler = AdaptiveProfiler(trainer, config.budget, hardware=hardware)
+    profiler = AdaptiveProfiler(trainer, config.budget, hardware=hardware, explore=config.explore, horizon=config.steps)
     console = Console(stderr=True)
     losses, tokens, start = [], 0, time.perf_counter()
-    known = 0
+    known, explored = 0, set()
     for i, (seq, drop) in enumerate(adaptive_workload(config)):
         data = dataclasses.replace(state.data, seq_len=seq)
         batch = data.batch_at(state.data.position)
@@ -479,7 +489,12 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
             known = len(profiler.records)
         elif progress and (i + 1) % 10 == 0:
             console.print(f"step {i + 1}/{config.steps}: loss {losses[-1]:.3f}")
+        for record in profiler.records if progress else ():
+            if record.explored is not None and record.label not in explored:
+                console.print(f"step {i + 1}: explored [{record.label}]: {_explored_text(record.explored)}")
+                explored.add(record.label)
     seconds = time.perf_counter() - start
+    profiler.close()
     report = profiler.report()
     if config.profile_report:
         profiler.write_report(config.profile_report)

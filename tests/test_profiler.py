@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxmem.config import TrainConfig
@@ -85,6 +86,52 @@ def test_infeasible_budget_is_a_clear_error_with_the_deficit(trainer):
         profiler.step(state, tokens, targets)
     assert info.value.deficit > 0
     assert profiler.compile_count == 0  # found out before compiling
+
+
+def test_exploring_times_an_untried_policy_in_the_background_and_keeps_the_faster(trainer):
+    tokens, targets = _batch(trainer, trainer.init_state(), 16)
+
+    def run(profiler, steps, wait_after=None):
+        state, losses = trainer.init_state(), []  # the same initial state each time (steps donate it)
+        for i in range(steps):
+            state, loss = profiler.step(state, tokens, targets)
+            losses.append(float(loss))
+            if i + 1 == wait_after:
+                profiler.close()  # wait for the background compile (a real run trains on meanwhile)
+        return losses
+
+    # Too short a run to pay for a compile: nothing is explored.
+    reference = AdaptiveProfiler(trainer, 64 * MiB, horizon=8)
+    expected = run(reference, 8)
+    assert reference.compile_count == 1 and reference.records[0].explored is None
+
+    profiler = AdaptiveProfiler(trainer, 64 * MiB)
+    losses = run(profiler, 8, wait_after=3)  # 3 steps of the chosen program, 3 of the probe, 2 again
+    record = profiler.records[0]
+    explored = record.explored
+    assert explored is not None and explored["instead_of"] == "save-all"
+    assert explored["policy"] in ("selective", "recompute-all")
+    assert set(profiler.correction) == {"save-all", explored["policy"]}  # both now measured here
+    assert explored["kept"] == (explored["step_seconds"] < explored["instead_of_step_seconds"])
+    assert record.policy == (explored["policy"] if explored["kept"] else "save-all")
+    assert profiler.compile_count == 2 and record.compiles == 2  # one profiling compile beyond the needed one
+    assert record.seen == 8 and explored["reason"] == "never measured"
+    # Every policy computes the same gradients: the probe steps train exactly as the chosen program.
+    np.testing.assert_allclose(losses, expected, rtol=2e-5)
+
+    # A later signature switches to a policy measured faster elsewhere (here: we say it was).
+    state = trainer.init_state()
+    tokens, targets = _batch(trainer, state, 32)
+    state, _ = profiler.step(state, tokens, targets)
+    second = profiler.records[1]
+    faster = next(p for p in ("recompute-all", "selective", "save-all") if p != second.policy)
+    profiler.correction[faster] = 1e-6
+    for _ in range(2):
+        state, _ = profiler.step(state, tokens, targets)
+    probe = profiler.programs[profiler.signature(tokens)].probe
+    assert probe is not None and probe.policy == faster and probe.reason == "measured faster elsewhere"
+    assert second.compiles == 2
+    profiler.close()
 
 
 def test_adaptive_train_cli(capsys, tmp_path):

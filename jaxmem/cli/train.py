@@ -65,6 +65,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len-order", choices=["cycle", "random"], help="cycle the buckets (default) or draw them")
     g.add_argument("--layer-drop", type=float, help="probability a step skips one random layer (default 0)")
     g.add_argument("--profile-report", metavar="FILE.json", help="write the per-signature table")
+    g.add_argument(
+        "--no-explore",
+        dest="explore",
+        action="store_false",
+        default=None,
+        help="never compile a policy just to measure it (by default the profiler times an untried "
+        "policy beside a signature's program, in the background, when the rest of the run pays for it)",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, help="optimizer steps (default 300)")
     g.add_argument("--lr", type=float, help="Adam learning rate (default 3e-3)")

@@ -18,10 +18,18 @@ hash of the traced program -- and dispatches to the program cached for it. On a 
    fits, raises :class:`BudgetError` with the deficit in bytes;
 4. refines from measured step times: per policy, the ratio of measured to simulated step time is
    tracked (with limited information, the simulator's figure; then the measured correction), so
-   later signatures rank the policies it has run by what they really cost here. A policy never run
-   borrows the mean correction of the others, so its rank against them stays the simulator's: where
-   the simulator is wrong about a policy it never chooses (on CPU, full recompute is faster than it
-   predicts; ``benchmarks/policy_times.py``), the profiler does not find out.
+   later signatures rank policies by what they really cost here. A policy never run borrows the mean
+   correction of the others, so its rank stays the simulator's until it is measured;
+5. explores and switches: once a signature's program has a few timed steps, and again whenever a
+   probe has settled, it may compile another policy for that signature in a background thread while
+   training goes on -- one measured faster elsewhere, if this signature's expected share of the rest
+   of the run repays the compile twice; otherwise the fastest-predicted policy never measured, if
+   the rest of the run is worth ``payback`` compiles. That is how the simulator's blind spots get
+   measured (on CPU, full recompute is faster than it predicts; ``benchmarks/policy_times.py``).
+   It is the signature's one profiling compile beyond the needed one. The probe runs a few steps
+   (every policy computes the same gradients), the chosen program is timed again right after it,
+   the faster is kept, and both measurements become corrections. One background compile runs at a
+   time; a compiled probe over the budget is dropped without running.
 
 Offload saves no device memory on CPU (XLA:CPU does not lower it), so on CPU the default ladder holds
 only recompute policies and every budget check is a measured ``memory_analysis()`` figure.
@@ -32,8 +40,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 
@@ -44,6 +54,7 @@ __all__ = ["AdaptiveProfiler", "BudgetError", "SignatureRecord", "LADDER"]
 LADDER = ("save-all", "selective", "recompute-all", "offload-stash")
 # XLA:CPU does not lower host offload, so on CPU only recompute really lowers device memory.
 CPU_LADDER = ("save-all", "selective", "recompute-all")
+PROBE_STEPS = 3  # a warm-up step, then timed steps: of a new program, and of an explored policy
 
 
 class BudgetError(JaxmemError):
@@ -71,6 +82,7 @@ class SignatureRecord:
     predicted_step_seconds: float = 0.0
     simulated_step_seconds: float = 0.0
     flops: float | None = None
+    explored: dict | None = None  # the policy tried beside the chosen one, its measured step time, kept?
 
     def to_json(self) -> dict:
         times = self.step_seconds[1:] or self.step_seconds
@@ -86,7 +98,21 @@ class SignatureRecord:
             "predicted_step_seconds": self.predicted_step_seconds,
             "times_seen": self.seen,
             "cost_analysis_flops": self.flops,
+            "explored": self.explored,
         }
+
+
+@dataclasses.dataclass
+class _Probe:
+    """A policy compiled beside a signature's program, to measure what it really costs here."""
+
+    policy: str
+    future: Future  # -> (compiled step, compiled device bytes)
+    simulated_step_seconds: float
+    predicted_bytes: int
+    reason: str  # "never measured" or "measured faster elsewhere"
+    times: list = dataclasses.field(default_factory=list)  # the probe's steps (first: warm-up)
+    rematch: list = dataclasses.field(default_factory=list)  # the chosen program's, right after
 
 
 @dataclasses.dataclass
@@ -94,6 +120,9 @@ class _Program:
     policy: str
     step: Callable
     record: SignatureRecord
+    predictions: dict  # policy -> (device bytes, expected seconds, simulated seconds) at first sight
+    probe: _Probe | None = None
+    checked: int = -1  # the profiler's settled-probe count when exploring was last considered
 
 
 class AdaptiveProfiler:
@@ -110,6 +139,12 @@ class AdaptiveProfiler:
         fingerprint: also hash the traced program (for Python control flow the arguments do not show).
         hardware: profile for the cost model (default: this machine's CPU, measured).
         margin: initial safety factor on predictions (compiled / predicted), then learned.
+        explore: try another policy beside a signature's program (step 5 above): compiled in a
+            background thread, run for a few steps (same gradients), the faster of the two kept.
+        horizon: steps the run is expected to take (``None``: unknown, assumed long enough to repay
+            any compile); decides whether exploring or switching pays.
+        payback: how many compile times the rest of the run must be worth before one is spent on
+            measuring a policy never run.
     """
 
     def __init__(
@@ -121,6 +156,9 @@ class AdaptiveProfiler:
         fingerprint: bool = False,
         hardware=None,
         margin: float = 1.02,
+        explore: bool = True,
+        horizon: int | None = None,
+        payback: float = 10.0,
     ):
         from jaxmem.memory import get_hardware
 
@@ -136,8 +174,13 @@ class AdaptiveProfiler:
         self.programs: dict[tuple, _Program] = {}
         self.records: list[SignatureRecord] = []
         self.compile_count = 0
+        self.compile_seconds: list[float] = []
         self.overhead_seconds = 0.0
         self.calls = 0
+        self.explore, self.horizon, self.payback = explore, horizon, payback
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: Future | None = None
+        self._settled = 0  # probes settled so far (each may change what is worth exploring)
 
     # ----------------------------------------------------------------- signature
     def signature(self, tokens, drop_layers=frozenset(), fingerprint_fn=None) -> tuple:
@@ -235,15 +278,20 @@ class AdaptiveProfiler:
                     total -= length * np.dtype(key[0]).itemsize
         return int(total)
 
-    def _compile(self, pipeline, batch: int, seq: int, state):
+    @staticmethod
+    def _abstract(state) -> tuple:
+        def spec(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+        return jax.tree.map(spec, state.params), jax.tree.map(spec, state.opt_state)
+
+    def _compile(self, pipeline, batch: int, seq: int, abstract_state: tuple):
+        start = time.perf_counter()
         step = self.trainer.build_step(pipeline, batch, seq)
-
-        def abstract(tree):
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
         tokens = jax.ShapeDtypeStruct((batch, seq), jax.numpy.int32, sharding=self.trainer.batch_sharding)
-        compiled = step.lower(abstract(state.params), abstract(state.opt_state), tokens, tokens).compile()
+        compiled = step.lower(*abstract_state, tokens, tokens).compile()
         self.compile_count += 1
+        self.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
     def _adapt(self, sig: tuple, batch: int, seq: int, drop_layers, state) -> _Program:
@@ -260,8 +308,9 @@ class AdaptiveProfiler:
                 int(smallest - self.budget),
             )
         choice = min(fitting, key=lambda p: (round(predictions[p][1], 9), p != neighbour, self.policies.index(p)))
+        abstract_state = self._abstract(state)
         pipeline = self._pipeline(choice, drop_layers)
-        compiled = self._compile(pipeline, batch, seq, state)
+        compiled = self._compile(pipeline, batch, seq, abstract_state)
         measured = self._compiled_bytes(compiled, pipeline, batch, seq)
         compiles, escalated = 1, False
         self.margin = max(1.0, self.margin * 0.5 + 0.5 * measured / predictions[choice][0])
@@ -280,7 +329,7 @@ class AdaptiveProfiler:
                 )
             choice = min(later, key=lambda p: predictions[p][1])
             pipeline = self._pipeline(choice, drop_layers)
-            compiled = self._compile(pipeline, batch, seq, state)
+            compiled = self._compile(pipeline, batch, seq, abstract_state)
             measured = self._compiled_bytes(compiled, pipeline, batch, seq)
             compiles, escalated = 2, True
             if measured > self.budget:
@@ -310,7 +359,7 @@ class AdaptiveProfiler:
             flops=flops,
         )
         self.records.append(record)
-        return _Program(choice, compiled, record)
+        return _Program(choice, compiled, record, predictions)
 
     # ----------------------------------------------------------------- running
     def step(self, state, tokens, targets, drop_layers=frozenset(), fingerprint_fn=None):
@@ -318,20 +367,39 @@ class AdaptiveProfiler:
         begin = time.perf_counter()
         sig = self.signature(tokens, drop_layers, fingerprint_fn)
         program = self.programs.get(sig)
-        self.overhead_seconds += time.perf_counter() - begin
         if program is None:
+            self.overhead_seconds += time.perf_counter() - begin
             program = self._adapt(sig, tokens.shape[0], tokens.shape[1], frozenset(drop_layers), state)
             self.programs[sig] = program
+            begin = time.perf_counter()
         self.calls += 1
+        quiet = self._inflight is None or self._inflight.done()  # no compile competing for the cores
+        probe = program.probe
+        if probe is not None and not (probe.future.done() and self._probe_runnable(program)):
+            probe = None  # still compiling, or dropped
+        probing = probe is not None and len(probe.times) < PROBE_STEPS
+        run = probe.future.result()[0] if probing else program.step
         start = time.perf_counter()
-        params, opt_state, loss = program.step(state.params, state.opt_state, tokens, targets)
+        params, opt_state, loss = run(state.params, state.opt_state, tokens, targets)
         jax.block_until_ready(loss)
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
+        state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
         record = program.record
         record.seen += 1
-        record.step_seconds.append(elapsed)
-        self._refine(record)
-        return dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1), loss
+        if probing:
+            probe.times.append(elapsed)
+        else:
+            record.step_seconds.append(elapsed)
+            if probe is not None:  # the probe has run: time the chosen program again, as quietly
+                probe.rematch.append(elapsed)
+                if len(probe.rematch) >= PROBE_STEPS - 1:
+                    self._settle(program)
+            elif quiet:
+                self._refine(record)
+            self._maybe_explore(program, tokens.shape, sig[2], state)
+        self.overhead_seconds += (start - begin) + (time.perf_counter() - end)
+        return state, loss
 
     def _refine(self, record: SignatureRecord) -> None:
         """Track measured / simulated step time per policy (the first, warm-up step is skipped)."""
@@ -341,6 +409,109 @@ class AdaptiveProfiler:
             factor = self.correction.get(record.policy)
             self.correction[record.policy] = ratio if factor is None else 0.8 * factor + 0.2 * ratio
 
+    # ----------------------------------------------------------------- exploring
+    def _maybe_explore(self, program: _Program, shape, drop_layers, state) -> None:
+        """Perhaps start compiling, in the background, another policy for this signature: one measured
+        faster elsewhere (to switch to), or else the fastest-predicted one never measured (to learn
+        its real cost). Looked at again whenever a probe has settled, until the signature has had its
+        one profiling compile."""
+        record = program.record
+        if not self.explore or record.compiles > 1 or program.checked == self._settled:
+            return  # a signature that escalated has had its one profiling compile
+        if len(record.step_seconds) < PROBE_STEPS or (self._inflight is not None and not self._inflight.done()):
+            return  # the chosen program's own time first; one background compile at a time
+        program.checked = self._settled
+        waiting = {p.probe.policy for p in self.programs.values() if p.probe is not None}
+        fitting = [
+            p
+            for p in self.policies
+            if p != program.policy
+            and p not in waiting  # compiled for another signature, to run when it recurs
+            and program.predictions[p][0] * self.margin <= self.budget
+        ]
+        current = statistics.median(record.step_seconds[1:][-2 * PROBE_STEPS :])
+        compile_seconds = statistics.mean(self.compile_seconds)
+        remaining = None if self.horizon is None else self.horizon - self.calls
+        # Switch: a measured policy expected faster here, if this signature's share of the rest of
+        # the run pays for the compile twice over.
+        expected = {p: program.predictions[p][2] * self.correction[p] for p in fitting if p in self.correction}
+        share = None if remaining is None else remaining * record.seen / self.calls
+        gains = {
+            p: current - t
+            for p, t in expected.items()
+            if t < 0.95 * current and (share is None or (current - t) * share >= 2 * compile_seconds)
+        }
+        if gains:
+            policy, reason = max(gains, key=gains.get), "measured faster elsewhere"
+        else:
+            # Learn: an unmeasured policy, if the rest of the run is worth `payback` compiles.
+            unmeasured = [p for p in fitting if p not in self.correction]
+            if not unmeasured or (remaining is not None and remaining * current < self.payback * compile_seconds):
+                return
+            policy = min(
+                unmeasured, key=lambda p: (program.predictions[p][2] * self._factor(p), self.policies.index(p))
+            )
+            reason = "never measured"
+        pipeline = self._pipeline(policy, frozenset(drop_layers))
+        abstract_state = self._abstract(state)
+
+        def build():
+            compiled = self._compile(pipeline, *shape, abstract_state)
+            return compiled, self._compiled_bytes(compiled, pipeline, *shape)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxmem-profiler")
+        record.compiles += 1  # the one profiling compile beyond the needed one
+        self._inflight = self._pool.submit(build)
+        predicted_bytes, _, simulated = program.predictions[policy]
+        program.probe = _Probe(policy, self._inflight, simulated, int(predicted_bytes), reason)
+
+    def _probe_runnable(self, program: _Program) -> bool:
+        """A compiled probe runs only if it fits the budget; one that failed or does not fit is dropped."""
+        probe = program.probe
+        error = probe.future.exception()
+        if error is None and probe.future.result()[1] <= self.budget:
+            return True
+        why = f"compile failed: {error}" if error is not None else "compiled over the budget; never run"
+        program.record.explored = {"policy": probe.policy, "reason": probe.reason, "kept": False, "why": why}
+        program.probe = None
+        return False
+
+    def _settle(self, program: _Program) -> None:
+        """Compare the probe with the chosen program (both timed without a compile running, warm-up
+        steps skipped); keep the faster and learn the probed policy's real cost."""
+        probe, record = program.probe, program.record
+        probed, current = statistics.median(probe.times[1:]), statistics.median(probe.rematch)
+        if probe.simulated_step_seconds > 0:
+            self.correction[probe.policy] = probed / probe.simulated_step_seconds
+        if record.simulated_step_seconds > 0:
+            self.correction[program.policy] = current / record.simulated_step_seconds
+        keep = probed < current
+        record.explored = {
+            "policy": probe.policy,
+            "reason": probe.reason,
+            "step_seconds": probed,
+            "instead_of": program.policy,
+            "instead_of_step_seconds": current,
+            "kept": keep,
+        }
+        if keep:
+            compiled, compiled_bytes = probe.future.result()
+            program.policy, program.step = probe.policy, compiled
+            record.policy, record.compiled_bytes = probe.policy, compiled_bytes
+            record.predicted_bytes = probe.predicted_bytes
+            record.simulated_step_seconds = probe.simulated_step_seconds
+            record.predicted_step_seconds = program.predictions[probe.policy][1]
+            record.step_seconds = list(probe.times)
+        program.probe = None
+        self._settled += 1
+
+    def close(self) -> None:
+        """Wait for a background compile still running, and release its thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     # ----------------------------------------------------------------- reporting
     def report(self) -> dict:
         return {
@@ -348,6 +519,7 @@ class AdaptiveProfiler:
             "signatures": [r.to_json() for r in self.records],
             "compiles": self.compile_count,
             "calls": self.calls,
+            "compile_seconds": list(self.compile_seconds),
             "profiler_overhead_seconds": self.overhead_seconds,
             "margin": self.margin,
             "time_correction": dict(self.correction),
