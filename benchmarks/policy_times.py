@@ -5,7 +5,9 @@ is really fastest here (the question the online profiler's cost model must answe
 
 Tiny GPT (max_seq_len raised to the largest bucket), 1F1B P=4 M=8, batch 32, synthetic tokens. Per
 (policy, length): one compile, one warm-up step, then the median of ``--steps`` timed steps; the
-simulated step time on the calibrated CPU profile is printed beside it.
+simulated step time on the calibrated CPU profile is printed beside it. Beside them, without the
+pipeline: plain ``jax.grad`` of the same model's loss on one device, as is (``plain save``) and under
+``jax.checkpoint`` (``plain recompute``, one more forward) -- what recompute costs this CPU at all.
 """
 
 from __future__ import annotations
@@ -30,6 +32,32 @@ from jaxmem.models import get_config  # noqa: E402
 from jaxmem.train import Trainer  # noqa: E402
 
 POLICIES = ("save-all", "selective", "recompute-all")
+
+
+def plain_grad_seconds(model, seq: int, steps: int) -> dict[str, float]:
+    """Median gradient time of the unpipelined model, without and with full recompute."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxmem.models import GPT
+
+    graph, params = nnx.split(GPT(model, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (32, seq)), jnp.int32)
+
+    def loss(params, tokens):
+        return nnx.merge(graph, params).loss(tokens, jnp.roll(tokens, -1, axis=1))
+
+    out = {}
+    for name, fn in (("plain save", loss), ("plain recompute", jax.checkpoint(loss))):
+        grad = jax.jit(jax.grad(fn))
+        jax.block_until_ready(grad(params, tokens))
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            jax.block_until_ready(grad(params, tokens))
+            times.append(time.perf_counter() - start)
+        out[name] = float(np.median(times))
+    return out
 
 
 def main(argv=None):
@@ -80,8 +108,15 @@ def main(argv=None):
                 f"  simulated {simulated:.3f}s  compile+first {first:.1f}s",
                 file=sys.stderr,
             )
+    for seq in buckets:
+        for name, seconds in plain_grad_seconds(model, seq, args.steps).items():
+            rows.append({"seq_len": seq, "policy": name, "step_seconds_median": seconds, "pipelined": False})
+            print(f"seq {seq:4d}  {name:14s} step {seconds:.3f}s (jax.grad, one device, no pipeline)", file=sys.stderr)
     fastest = {
-        seq: min((r for r in rows if r["seq_len"] == seq), key=lambda r: r["step_seconds_median"])["policy"]
+        seq: min(
+            (r for r in rows if r["seq_len"] == seq and r.get("pipelined", True)),
+            key=lambda r: r["step_seconds_median"],
+        )["policy"]
         for seq in buckets
     }
     record = {"benchmark": "policy_times", "platform": jax.devices()[0].platform, "rows": rows, "fastest": fastest}
