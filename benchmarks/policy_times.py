@@ -1,11 +1,11 @@
 """Measured step time of each recompute policy at each sequence length, on this machine: which policy
 is really fastest here (the question the online profiler's cost model must answer).
 
-    python benchmarks/policy_times.py [--buckets 32,64,128] [--steps 8] [--json]
+    python benchmarks/policy_times.py [--buckets 32,64,128] [--steps 8] [--d-model 64] [--json]
 
-Tiny GPT (max_seq_len raised to the largest bucket), 1F1B P=4 M=8, batch 32, synthetic tokens. Per
-(policy, length): one compile, one warm-up step, then the median of ``--steps`` timed steps; the
-simulated step time on the calibrated CPU profile is printed beside it. Beside them, without the
+Tiny GPT (max_seq_len raised to the largest bucket; ``--d-model`` widens it), 1F1B P=4 M=8, batch 32,
+synthetic tokens. Per (policy, length): one compile, one warm-up step, then the median of ``--steps``
+timed steps; the simulated step time on the calibrated CPU profile is printed beside it. Beside them, without the
 pipeline: plain ``jax.grad`` of the same model's loss on one device, as is (``plain save``) and under
 ``jax.checkpoint`` (``plain recompute``, one more forward) -- what recompute costs this CPU at all.
 """
@@ -64,10 +64,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--buckets", default="32,64,128", help="sequence lengths (comma-separated)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per policy and length")
+    parser.add_argument("--d-model", type=int, default=64, help="model width (tiny: 64; n_heads = d_model // 16)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     buckets = [int(b) for b in args.buckets.split(",")]
-    model = dataclasses.replace(get_config("tiny"), max_seq_len=max(buckets))
+    model = dataclasses.replace(
+        get_config("tiny"), max_seq_len=max(buckets), d_model=args.d_model, n_heads=args.d_model // 16, d_ff=0
+    )
     hardware = get_hardware("cpu")
     rows = []
     for seq in buckets:
@@ -119,7 +122,13 @@ def main(argv=None):
         )["policy"]
         for seq in buckets
     }
-    record = {"benchmark": "policy_times", "platform": jax.devices()[0].platform, "rows": rows, "fastest": fastest}
+    record = {
+        "benchmark": "policy_times",
+        "platform": jax.devices()[0].platform,
+        "d_model": args.d_model,
+        "rows": rows,
+        "fastest": fastest,
+    }
     print(json.dumps(record, indent=2) if args.json else json.dumps(fastest))
     return record
 

@@ -482,7 +482,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
         if progress and len(profiler.records) > known:
             record = profiler.records[-1]
             console.print(
-                f"step {i + 1}: new program [{record.label}] -> policy {record.policy}, "
+                f"step {i + 1}: new program ({record.label}) -> policy {record.policy}, "
                 f"{record.compiled_bytes / 2**20:.2f} MiB compiled (budget {config.budget / 2**20:.2f} MiB), "
                 f"{record.compiles} compile(s), {record.adapt_seconds:.1f}s"
             )
@@ -491,7 +491,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
             console.print(f"step {i + 1}/{config.steps}: loss {losses[-1]:.3f}")
         for record in profiler.records if progress else ():
             if record.explored is not None and record.label not in explored:
-                console.print(f"step {i + 1}: explored [{record.label}]: {_explored_text(record.explored)}")
+                console.print(f"step {i + 1}: explored ({record.label}): {_explored_text(record.explored)}")
                 explored.add(record.label)
     seconds = time.perf_counter() - start
     profiler.close()
