@@ -420,8 +420,11 @@ class AdaptiveProfiler:
             return  # a signature that escalated has had its one profiling compile
         if len(record.step_seconds) < PROBE_STEPS or (self._inflight is not None and not self._inflight.done()):
             return  # the chosen program's own time first; one background compile at a time
+        probes = [p.probe for p in self.programs.values() if p.probe is not None]
+        if any(probe.times for probe in probes):
+            return  # a probe is being timed: no compile may compete with it
         program.checked = self._settled
-        waiting = {p.probe.policy for p in self.programs.values() if p.probe is not None}
+        waiting = {probe.policy for probe in probes}
         fitting = [
             p
             for p in self.policies
