@@ -5,9 +5,10 @@ is really fastest here (the question the online profiler's cost model must answe
 
 Tiny GPT (max_seq_len raised to the largest bucket; ``--d-model`` widens it), 1F1B P=4 M=8, batch 32,
 synthetic tokens. Per (policy, length): one compile, one warm-up step, then the median of ``--steps``
-timed steps; the simulated step time on the calibrated CPU profile is printed beside it. Beside them, without the
-pipeline: plain ``jax.grad`` of the same model's loss on one device, as is (``plain save``) and under
-``jax.checkpoint`` (``plain recompute``, one more forward) -- what recompute costs this CPU at all.
+timed steps; the simulated step time on the calibrated CPU profile is printed beside it. Beside them,
+without the pipeline: plain ``jax.grad`` of the same model's loss on one device, as is (``plain save``)
+and under ``jax.checkpoint`` (``plain recompute``, one more forward) -- what recompute costs this CPU
+at all.
 """
 
 from __future__ import annotations
