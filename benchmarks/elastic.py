@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxmem.elastic._launcher import _read_step  # the launcher's own heartbeat reader
+from jaxmem.elastic import read_heartbeat  # the launcher's own heartbeat reader
 
 ROOT = Path(__file__).parent.parent
 
@@ -153,7 +153,7 @@ def main(argv=None):
                     run_dir = Path(tmp) / f"{name[0]}-{label.replace(':', '-')}-{rep}"
                     result = launch(run_dir, nprocs, per_proc, train_args, failure, strategy)
                     record = measure(result, run_dir, args.steps)
-                    failed_step = max(_read_step(run_dir / f"heartbeat-0-{r}") or 0 for r in range(nprocs))
+                    failed_step = max(read_heartbeat(run_dir / f"heartbeat-0-{r}")[0] or 0 for r in range(nprocs))
                     record["steps_reached_before_failure"] = failed_step
                     record["lost_steps"] = failed_step - (record["resumed_from"] or 0)
                     record["final_loss_abs_diff_vs_failure_free"] = abs(record["final_loss"] - free["final_loss"])

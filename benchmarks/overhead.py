@@ -22,11 +22,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from jaxmem.config import TrainConfig  # noqa: E402
 from jaxmem.data import DataIterator  # noqa: E402
-from jaxmem.models import GPT, get_config  # noqa: E402
+from jaxmem.models import get_model  # noqa: E402
 from jaxmem.train import Trainer  # noqa: E402
 
 
@@ -41,14 +40,13 @@ def time_steps(fn, state, batches, steps):
 
 
 def plain_step_seconds(config_name, batch, seq, steps, seed=0):
-    config = get_config(config_name)
-    model = GPT(config, rngs=nnx.Rngs(seed))
-    graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
+    model = get_model(config_name)
+    params = model.init(seed)
     optimizer = optax.adam(3e-3)
 
     @jax.jit
-    def step(params, opt_state, tokens, targets):
-        loss, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(tokens, targets))(params)
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model.plain_loss)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -56,11 +54,11 @@ def plain_step_seconds(config_name, batch, seq, steps, seed=0):
     batches = [data.batch_at(i * batch) for i in range(4)]
     opt_state = optimizer.init(params)
     start = time.perf_counter()
-    compiled = step.lower(params, opt_state, batches[0].tokens, batches[0].targets).compile()
+    compiled = step.lower(params, opt_state, batches[0].arrays()).compile()
     compile_seconds = time.perf_counter() - start
 
     def run(state, b):
-        p, o, _ = compiled(state[0], state[1], b.tokens, b.targets)
+        p, o, _ = compiled(state[0], state[1], b.arrays())
         return (p, o)
 
     (params, opt_state), _ = time_steps(run, (params, opt_state), batches, 2)  # warm up
@@ -88,8 +86,7 @@ def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4):
     batches = [state.data.batch_at(i * batch) for i in range(4)]
 
     def run(s, b):
-        tokens, targets = trainer.put_batch(b)
-        p, o, _ = compiled(s[0], s[1], tokens, targets)
+        p, o, _ = compiled(s[0], s[1], trainer.put_batch(b))
         return (p, o)
 
     carried, _ = time_steps(run, (state.params, state.opt_state), batches, 2)

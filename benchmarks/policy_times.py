@@ -27,9 +27,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxmem.config import TrainConfig  # noqa: E402
-from jaxmem.memory import get_hardware  # noqa: E402
-from jaxmem.memory._cost import simulate_step  # noqa: E402
-from jaxmem.models import get_config  # noqa: E402
+from jaxmem.memory import estimate, get_hardware  # noqa: E402
+from jaxmem.models import get_config, get_model, make_batch  # noqa: E402
 from jaxmem.train import Trainer  # noqa: E402
 
 POLICIES = ("save-all", "selective", "recompute-all")
@@ -38,15 +37,13 @@ POLICIES = ("save-all", "selective", "recompute-all")
 def plain_grad_seconds(model, seq: int, steps: int) -> dict[str, float]:
     """Median gradient time of the unpipelined model, without and with full recompute."""
     import jax.numpy as jnp
-    from flax import nnx
 
-    from jaxmem.models import GPT
-
-    graph, params = nnx.split(GPT(model, rngs=nnx.Rngs(0)))
+    staged = get_model(model)
+    params = staged.init(0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (32, seq)), jnp.int32)
 
     def loss(params, tokens):
-        return nnx.merge(graph, params).loss(tokens, jnp.roll(tokens, -1, axis=1))
+        return staged.plain_loss(params, make_batch(tokens, jnp.roll(tokens, -1, axis=1)))
 
     out = {}
     for name, fn in (("plain save", loss), ("plain recompute", jax.checkpoint(loss))):
@@ -89,15 +86,9 @@ def main(argv=None):
                 state, loss, _ = trainer.step(state)
                 jax.block_until_ready(loss)
                 times.append(time.perf_counter() - start)
-            simulated = simulate_step(
-                trainer.model_config,
-                trainer.schedule,
-                policy,
-                trainer.pipeline.layer_counts,
-                microbatch=32 // config.microbatches,
-                seq=seq,
-                hardware=hardware,
-            ).makespan
+            simulated = estimate(
+                trainer.model, trainer.schedule, policy, batch=32, seq=seq, hardware=hardware
+            ).simulation.makespan
             row = {
                 "seq_len": seq,
                 "policy": policy,

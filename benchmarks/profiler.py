@@ -36,8 +36,10 @@ def run(config: TrainConfig, budget: float, policy: str | None):
     trainer = Trainer(config)
     state = trainer.init_state()
     profiler = AdaptiveProfiler(
-        trainer,
+        trainer.pipeline,
         budget,
+        build_step=trainer.build_step,
+        batch_sharding=trainer.batch_sharding,
         policies=None if policy is None else (policy,),
         margin=0.0 if policy is not None else 1.02,
         explore=policy is None,
@@ -49,10 +51,10 @@ def run(config: TrainConfig, budget: float, policy: str | None):
     step_time = 0.0
     for seq, drop in adaptive_workload(config):
         batch = dataclasses.replace(state.data, seq_len=seq).batch_at(state.data.position)
-        tokens, targets = trainer.put_batch(batch)
+        arrays = trainer.put_batch(batch)
         before = len(profiler.records)
         t0 = time.perf_counter()
-        state, loss = profiler.step(state, tokens, targets, drop)
+        state, loss = profiler.step(state, arrays, drop)
         if len(profiler.records) == before:
             step_time += time.perf_counter() - t0
         state = dataclasses.replace(
@@ -65,7 +67,7 @@ def run(config: TrainConfig, budget: float, policy: str | None):
     # The same workload on a cluster profile, simulated (compiles excluded): every step at the
     # simulated time of the policy chosen from that profile's predictions (adaptive), or of the
     # fixed policy. CPU measurements do not carry over, so the adaptive choice here is predict-only.
-    h100 = AdaptiveProfiler(trainer, budget, hardware="h100")
+    h100 = AdaptiveProfiler(trainer.pipeline, budget, build_step=trainer.build_step, hardware="h100")
     simulated = 0.0
     for r in records:
         (batch, seq), drop = r.signature[0], frozenset(r.signature[2])
@@ -114,7 +116,8 @@ def main(argv=None):
         adaptive=True,
     )
     # The static policy: the cheapest on the ladder that fits the largest shape.
-    probe = AdaptiveProfiler(Trainer(config), budget)
+    probe_trainer = Trainer(config)
+    probe = AdaptiveProfiler(probe_trainer.pipeline, budget, build_step=probe_trainer.build_step)
     largest = max(config.seq_len_schedule)
     static = next(p for p in probe.policies if probe.predict(p, config.batch_size, largest, frozenset())[0] <= budget)
     ways = (("adaptive", None), ("static_largest", static), ("recompute_all", "recompute-all"))

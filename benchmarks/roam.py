@@ -20,8 +20,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from jaxmem.plan import analyze_graph, analyze_step, random_dag  # noqa: E402
-from jaxmem.plan._suite import experts_train_step, gpt_train_step  # noqa: E402
+from jaxmem.roam import analyze_graph, analyze_step, experts_train_step, model_train_step, random_dag  # noqa: E402  # noqa: E402
 
 
 def geomean(values):
@@ -34,11 +33,9 @@ def segmented_check():
     import jax
     import numpy as np
 
-    from jaxmem.plan import build_graph, plan_order
-    from jaxmem.plan._apply import run_segmented
-    from jaxmem.plan._graph import fuse_elementwise
+    from jaxmem.roam import build_graph, fuse_elementwise, plan_order, run_segmented
 
-    step = gpt_train_step("tiny", batch=4, seq=64)
+    step = model_train_step("tiny", batch=4, seq=64)
     graph = fuse_elementwise(build_graph(step.jaxpr(), donated=step.donated))
     args = step.concrete_args()
     plan = plan_order(graph)
@@ -78,11 +75,11 @@ def main(argv=None):
             line += f"  ILP {record['ilp_peak_bytes'] / 2**20:.3f} MiB in {record['ilp_seconds']:.2f}s"
         print(line, file=sys.stderr)
 
-    report(analyze_step(gpt_train_step("tiny", batch=4, seq=64), compile_xla=True))
+    report(analyze_step(model_train_step("tiny", batch=4, seq=64), compile_xla=True))
     report(analyze_step(experts_train_step(batch=1024), compile_xla=True))
     if not args.skip_big:
-        report(analyze_step(gpt_train_step("gpt2-small", batch=4, seq=1024), compile_xla=args.compile_gpt2_small))
-        report(analyze_step(gpt_train_step("gpt2-xl", batch=4, seq=1024)))
+        report(analyze_step(model_train_step("gpt2-small", batch=4, seq=1024), compile_xla=args.compile_gpt2_small))
+        report(analyze_step(model_train_step("gpt2-xl", batch=4, seq=1024)))
     for seed in range(args.random):
         # Tensor sizes of real activations (1-64 MiB), so that the allocator's 2 MiB segments do not
         # dominate the comparison.
@@ -133,7 +130,7 @@ def main(argv=None):
         ),
         "segmented_tiny_gpt": segmented,
         "notes": [
-            "eager = program order on our model of PyTorch's caching allocator (see jaxmem/plan/_caching.py)",
+            "eager = program order on our model of PyTorch's caching allocator (see jaxmem/roam/_caching.py)",
             "graphs of train steps are taken at fused-kernel granularity (elementwise chains fused)",
         ],
     }

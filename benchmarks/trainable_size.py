@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxmem.memory import get_hardware  # noqa: E402
 from jaxmem.models import get_config  # noqa: E402
-from jaxmem.policy._planner import evaluate  # noqa: E402
 from jaxmem.schedule import generate  # noqa: E402
+from jaxmem.search import evaluate  # noqa: E402
 
 METHODS = [
     # (label, schedule, virtual, policy)
@@ -81,7 +81,7 @@ def max_depth(base, method, args, hardware, floor=None):
 def validate_on_cpu(args):
     """Ledger vs memory_analysis() on depths of a narrow GPT (the tiny preset's width) that compile here."""
     from jaxmem.config import TrainConfig
-    from jaxmem.memory import compare, measure, predict
+    from jaxmem.memory import compare, predict
     from jaxmem.train import Trainer
 
     rows = []
@@ -100,7 +100,7 @@ def validate_on_cpu(args):
             )
             trainer = Trainer(config)
             predicted = predict(model, trainer.schedule, policy, batch=32, seq=64)
-            report = compare(predicted, measure(trainer))
+            report = compare(predicted, trainer.measure_memory())
             rows.append(
                 {
                     "layers": layers,

@@ -9,7 +9,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 from jaxmem.config import TrainConfig  # noqa: E402
-from jaxmem.memory import compare, measure, predict  # noqa: E402
+from jaxmem.memory import compare, predict  # noqa: E402
 from jaxmem.policy import Policy, StagePolicy, from_spec  # noqa: E402
 from jaxmem.schedule import generate  # noqa: E402
 from jaxmem.train import Trainer  # noqa: E402
@@ -35,7 +35,8 @@ print(f"{'policy':22s} {'rank':>4s} {'predicted MiB':>14s} {'compiled MiB':>13s}
 for policy in policies:
     config = TrainConfig(schedule="1f1b", stages=4, microbatches=8, policy=policy)
     trainer = Trainer(config)
-    report = compare(predict(trainer.model_config, trainer.schedule, policy, batch=32, seq=64), measure(trainer))
+    predicted = predict(trainer.pipeline.model, trainer.schedule, policy, batch=32, seq=64)
+    report = compare(predicted, trainer.measure_memory())
     ok = verify(generate("1f1b", 4, 8), policy=policy)["ok"]
     for row in report["ranks"]:
         print(

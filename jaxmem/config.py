@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import load_toml, parse_bytes, parse_int_list
 from jaxmem.schedule import Schedule, generate, load_csv, validate
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "add_arguments", "from_args", "parse_train_args"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -15,7 +16,13 @@ class TrainConfig:
     """Everything a training run needs; every field has a CLI flag of the same name.
 
     Attributes:
-        model: model preset (``tiny``, ``gpt2-small``, ``gpt2-medium``, ``gpt2-xl``) or a GPTConfig.
+        model: a model preset (``tiny``, ``gpt2-small``, ``gpt2-medium``, ``gpt2-xl``, ``llama-tiny``,
+            ``llama-1b``, ``llama-8b``), a GPTConfig / LlamaConfig, or any
+            :class:`~jaxmem.models.StagedModel` (e.g. from :func:`~jaxmem.models.from_nnx`).
+        dtype: compute dtype of a preset or config model (``bfloat16`` for mixed precision); None
+            keeps the model's.
+        param_dtype: dtype of its parameters, gradients and optimizer state (``float32`` master
+            weights by default); None keeps the model's.
         schedule: schedule name, or None when ``schedule_csv`` is given.
         schedule_csv: a schedule table to run instead of a generated one.
         stages: pipeline ranks P.
@@ -53,6 +60,8 @@ class TrainConfig:
     """
 
     model: object = "tiny"
+    dtype: str | None = None
+    param_dtype: str | None = None
     schedule: str | None = "1f1b"
     schedule_csv: str | None = None
     stages: int = 4
@@ -111,15 +120,21 @@ class TrainConfig:
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
 
-    def model_config(self):
-        """The model's GPTConfig (imports JAX)."""
-        from jaxmem.models.gpt import get_config
+    @property
+    def model_name(self) -> str:
+        from jaxmem.models import model_name
 
-        config = get_config(self.model)
-        if self.seq_len > config.max_seq_len:
-            name = f"{self.model}'s" if isinstance(self.model, str) else "the model's"
-            raise JaxmemError(f"--seq-len {self.seq_len} exceeds {name} max_seq_len {config.max_seq_len}")
-        return config
+        return model_name(self.model)
+
+    def build_model(self):
+        """The :class:`~jaxmem.models.StagedModel` this config trains (imports JAX)."""
+        from jaxmem.models import get_model
+
+        overrides = {k: v for k, v in (("dtype", self.dtype), ("param_dtype", self.param_dtype)) if v is not None}
+        model = get_model(self.model, **overrides)
+        if model.max_seq_len is not None and self.seq_len > model.max_seq_len:
+            raise JaxmemError(f"--seq-len {self.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}")
+        return model
 
     def build_schedule(self) -> Schedule:
         if self.schedule_csv:
@@ -136,3 +151,100 @@ class TrainConfig:
                 )
             return s
         return generate(self.schedule or "1f1b", self.stages, self.microbatches, self.virtual)
+
+
+def add_arguments(p) -> None:
+    """Add a flag for every TrainConfig field to an ``argparse`` parser (``jaxmem train``'s options)."""
+    g = p.add_argument_group("model and data")
+    g.add_argument(
+        "--model",
+        help="model preset: tiny (default), gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b",
+    )
+    g.add_argument("--dtype", help="compute dtype, e.g. bfloat16 (mixed precision; default: the model's, float32)")
+    g.add_argument("--param-dtype", help="parameter / gradient / optimizer-state dtype (default float32)")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default 64)")
+    g.add_argument("--batch-size", type=int, help="global batch in sequences (default 32)")
+    g.add_argument("--data", choices=["text", "synthetic"], help="embedded text corpus (default) or random tokens")
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--schedule", help="schedule name (default 1f1b; see `jaxmem schedule list`)")
+    g.add_argument("--csv", dest="schedule_csv", metavar="FILE", help="run a schedule table from a CSV")
+    g.add_argument("--stages", type=int, help="pipeline ranks P (default 4)")
+    g.add_argument("--microbatches", type=int, help="microbatches per step M (default 8)")
+    g.add_argument("--virtual", type=int, help="stages per rank for interleaved-1f1b")
+    g.add_argument("--layers-per-stage", help="explicit layer split, e.g. 3,3,2 (default balanced)")
+    g.add_argument("--data-parallel", type=int, help="data-parallel replicas D (default 1)")
+    g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x P)")
+    g.add_argument("--policy", help="memory policy: a preset name or a TOML file (see `jaxmem memory`)")
+    g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
+    g.add_argument("--budget", help="device memory per device for --plan auto, e.g. 12MiB, 24GiB")
+    g.add_argument("--hardware", help="planner hardware profile (default: measured here on CPU)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", help="save here and resume from the latest complete checkpoint")
+    g.add_argument("--checkpoint-every", type=int, help="save every N steps (default 10)")
+    g.add_argument("--keep-checkpoints", type=int, help="keep the last K checkpoints (default 3)")
+    g.add_argument("--sample-log", help="log the sample numbers each step consumed (exactly-once checks)")
+    g = p.add_argument_group("adaptive memory policy (online profiler)")
+    g.add_argument(
+        "--adaptive",
+        action="store_true",
+        default=None,
+        help="pick a memory policy per program signature within --budget",
+    )
+    g.add_argument("--seq-len-schedule", help="sequence-length buckets, e.g. 32,64,128 (a new program each)")
+    g.add_argument("--seq-len-order", choices=["cycle", "random"], help="cycle the buckets (default) or draw them")
+    g.add_argument("--layer-drop", type=float, help="probability a step skips one random layer (default 0)")
+    g.add_argument("--profile-report", metavar="FILE.json", help="write the per-signature table")
+    g.add_argument(
+        "--no-explore",
+        dest="explore",
+        action="store_false",
+        default=None,
+        help="never compile a policy just to measure it (by default the profiler times an untried "
+        "policy beside a signature's program, in the background, when the rest of the run pays for it)",
+    )
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=int, help="optimizer steps (default 300)")
+    g.add_argument("--lr", type=float, help="Adam learning rate (default 3e-3)")
+    g.add_argument("--seed", type=int, help="initialisation and data-order seed (default 0)")
+    g.add_argument("--config", help="TOML file with any of these settings; flags override it")
+
+
+def from_args(args) -> TrainConfig:
+    """Merge defaults < TOML file < flags (parsed by :func:`add_arguments`) into a TrainConfig."""
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values: dict = {}
+    if getattr(args, "config", None):
+        for key, value in load_toml(args.config).items():
+            name = key.replace("-", "_")
+            if name == "csv":
+                name = "schedule_csv"
+            if name not in fields:
+                raise JaxmemError(
+                    f"{args.config}: unknown setting {key!r}; valid settings: {', '.join(sorted(fields))}"
+                )
+            values[name] = value
+    for name in fields:
+        flag_value = getattr(args, name, None)
+        if flag_value is not None:
+            values[name] = flag_value
+    if isinstance(values.get("seq_len_schedule"), str):
+        values["seq_len_schedule"] = parse_int_list(values["seq_len_schedule"], "--seq-len-schedule")
+    if isinstance(values.get("budget"), str):
+        values["budget"] = parse_bytes(values["budget"])
+    if isinstance(values.get("layers_per_stage"), str):
+        values["layers_per_stage"] = parse_int_list(values["layers_per_stage"], "--layers-per-stage")
+    if values.get("schedule_csv") and "schedule" not in values:
+        values["schedule"] = None
+    return TrainConfig(**values)
+
+
+def parse_train_args(argv) -> TrainConfig:
+    """A TrainConfig from ``jaxmem train``'s command-line arguments (e.g. a launched job's)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quiet", action="store_true")
+    return from_args(parser.parse_args([str(a) for a in argv]))

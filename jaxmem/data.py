@@ -37,6 +37,10 @@ class Batch:
     targets: np.ndarray
     sample_ids: np.ndarray
 
+    def arrays(self) -> dict:
+        """What the model takes: the batch dict of :func:`jaxmem.models.make_batch`."""
+        return {"tokens": self.tokens, "targets": self.targets}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataIterator:

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 from jaxmem.memory import get_hardware, predict
-from jaxmem.models import get_config
-from jaxmem.policy import from_spec
-from jaxmem.policy._chronos import Move, chronos_policy, reuse_distances
-from jaxmem.policy._planner import PlanError, evaluate, plan
+from jaxmem.models import get_model
+from jaxmem.policy import Move, chronos_policy, from_spec, reuse_distances
 from jaxmem.schedule import Costs, generate, simulate, validate
+from jaxmem.search import SearchError, evaluate, search
 from jaxmem.verify import verify
 
 UNIT = Costs(f=1, b=2, i=1, w=1, activation_bytes=1.0)
@@ -47,7 +46,7 @@ def test_chronos_verifies_under_every_policy(policy):
 
 
 def test_chronos_recomp_takes_the_longest_waits_and_only_what_it_needs():
-    config = get_config("tiny")
+    config = get_model("tiny")
     schedule = generate("1f1b", 4, 8)
 
     def device_bytes(policy):
@@ -78,7 +77,7 @@ def test_chronos_recomp_takes_the_longest_waits_and_only_what_it_needs():
 
 
 def test_chronos_offload_only_takes_cells_whose_wait_hides_the_round_trip():
-    config = get_config("tiny")
+    config = get_model("tiny")
     schedule = generate("1f1b", 4, 8)
 
     def device_bytes(policy):
@@ -102,12 +101,12 @@ def cpu():
 
 def test_plan_pick_fits_the_compiled_program(cpu):
     from jaxmem.config import TrainConfig
-    from jaxmem.memory import compare, measure
+    from jaxmem.memory import compare
     from jaxmem.train import Trainer
 
-    config = get_config("tiny")
+    config = get_model("tiny")
     budget = 12 * 2**20
-    result = plan(
+    result = search(
         config,
         devices=4,
         budget_bytes=budget,
@@ -125,19 +124,19 @@ def test_plan_pick_fits_the_compiled_program(cpu):
             schedule=best.schedule, stages=best.pipe, microbatches=best.microbatches, policy=best.policy, steps=1
         )
     )
-    report = compare(predict(config, trainer.schedule, best.policy, batch=32, seq=64), measure(trainer))
+    report = compare(predict(config, trainer.schedule, best.policy, batch=32, seq=64), trainer.measure_memory())
     compiled = report["ranks"][0]["compiled_device_bytes"] - report["meta"]["host_space_counted_as_device_on_cpu"]
     assert compiled <= budget * 1.10, (compiled, budget)
 
 
 def test_plan_agrees_with_brute_force(cpu):
-    config = get_config("tiny")
+    config = get_model("tiny")
     budget = 14 * 2**20
     schedules, policies = (
         ("gpipe", "1f1b", "zb-h1", "chronos"),
         ("save-all", "selective", "recompute-all", "chronos-recomp"),
     )
-    result = plan(
+    result = search(
         config,
         devices=4,
         budget_bytes=budget,
@@ -180,9 +179,19 @@ def test_train_plan_auto_infeasible_is_a_clear_error(capsys):
     assert code == 2 and "smallest plan needs" in err and "--budget" in err
 
 
-def test_plan_error_carries_the_smallest_budget():
-    err = PlanError("x", 123.0)
+def test_search_error_carries_the_smallest_budget():
+    err = SearchError("x", 123.0)
     assert err.smallest_budget == 123.0
+
+
+def test_plan_works_for_a_traced_model(capsys):
+    from jaxmem.cli import main
+
+    argv = ["plan", "--model", "llama-1b", "--dtype", "bfloat16", "--devices", "8", "--budget", "40GiB"]
+    code = main([*argv, "--seq-len", "2048", "--pipe", "4", "--json"])
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and record["model"] == "llama-1b" and record["fits"]
+    assert record["best"]["device_bytes"] <= 40 * 2**30
 
 
 def test_trainable_size_benchmark_runs_small():

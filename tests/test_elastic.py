@@ -144,7 +144,7 @@ def test_a_save_killed_mid_way_is_never_listed(tmp_path):
 
 # ---------------------------------------------------------------- recovery planner and launcher
 def _plan(config, **overrides):
-    from jaxmem.elastic._recovery import plan_recovery
+    from jaxmem.elastic import choose_recovery
 
     kwargs = dict(
         devices_per_proc=2,
@@ -156,7 +156,7 @@ def _plan(config, **overrides):
         measured_step_seconds=0.5,
         restart_seconds=20,
     )
-    return plan_recovery(config, **(kwargs | overrides))
+    return choose_recovery(config, **(kwargs | overrides))
 
 
 def test_recovery_planner_scores_every_strategy():
@@ -173,7 +173,7 @@ def test_recovery_planner_scores_every_strategy():
 def test_shared_core_model_and_calibration():
     """The CPU model is the documented lockstep sum, and the pre-failure measurement calibrates it:
     the unchanged plan (restart on spares) is predicted at exactly the measured step."""
-    from jaxmem.elastic import _recovery as rec
+    from jaxmem.elastic import _recovery as rec  # the model's private pieces, tested against its docstring
     from jaxmem.schedule import Costs, generate, lockstep_ticks
 
     schedule = generate("1f1b", 2, 1)  # ticks: 0F0, 1F0, 1B0, 0B0 -- one busy rank per tick
@@ -198,23 +198,28 @@ def test_shared_core_model_and_calibration():
 
 
 def test_heartbeat_carries_the_workers_median_step(tmp_path):
-    from jaxmem.elastic._launcher import _read_heartbeat, _read_step
+    from types import SimpleNamespace
+
+    from jaxmem.elastic import HeartbeatHook, read_heartbeat, worker_hooks
 
     beat = tmp_path / "hb"
-    beat.write_text("12 0.250000")
-    assert _read_heartbeat(beat) == (12, 0.25) and _read_step(beat) == 12
-    beat.write_text("3")
-    assert _read_heartbeat(beat) == (3, None)
-    assert _read_heartbeat(tmp_path / "missing") == (None, None)
+    hooks = worker_hooks({"JAXMEM_HEARTBEAT_FILE": str(beat)})
+    assert [type(h) for h in hooks] == [HeartbeatHook]
+    hooks[0].on_step(None, SimpleNamespace(step=12), SimpleNamespace(step_seconds=(0.2, 0.25, 0.3)))
+    assert read_heartbeat(beat) == (12, 0.25)
+    hooks[0].on_step(None, SimpleNamespace(step=3), SimpleNamespace(step_seconds=()))
+    assert read_heartbeat(beat) == (3, None)
+    assert read_heartbeat(tmp_path / "missing") == (None, None)
+    assert worker_hooks({}) == []
 
 
-def test_elastic_plan_cli_and_its_errors(capsys):
+def test_elastic_recovery_cli_and_its_errors(capsys):
     from jaxmem.cli import main
 
     code = main(
         [
             "elastic",
-            "plan",
+            "recovery",
             "--devices",
             "4",
             "--failed",
@@ -237,9 +242,9 @@ def test_elastic_plan_cli_and_its_errors(capsys):
     # --hardware cpu: the launcher's view, the machine's cores shared by the devices.
     train_args = ["--stages", "4", "--microbatches", "4", "--batch-size", "32", "--seq-len", "64", "--steps", "48"]
     cpu_args = ["--devices-per-proc", "2", "--hardware", "cpu", "--step-seconds", "0.3", "--json", "--", *train_args]
-    code = main(["elastic", "plan", "--devices", "4", "--failed", "1", *cpu_args])
+    code = main(["elastic", "recovery", "--devices", "4", "--failed", "1", *cpu_args])
     record = json.loads(capsys.readouterr().out)
-    from jaxmem.elastic._recovery import cpu_cores
+    from jaxmem.elastic import cpu_cores
 
     expected = _plan(
         TrainConfig(stages=4, microbatches=4, batch_size=32, seq_len=64, steps=48),
@@ -253,18 +258,18 @@ def test_elastic_plan_cli_and_its_errors(capsys):
         cores=cpu_cores(),
     )
     assert code == 0 and record["choice"]["step_seconds"] == pytest.approx(expected.choice.step_seconds)
-    code = main(["elastic", "plan", "--devices", "8", "--failed", "1", "--", "--stages", "4"])
+    code = main(["elastic", "recovery", "--devices", "8", "--failed", "1", "--", "--stages", "4"])
     assert code == 2 and "does not match the job" in capsys.readouterr().err
     code = main(["launch", "--nprocs", "100000", "--", "--steps", "1"])
     assert code == 2 and "more than this machine can start" in capsys.readouterr().err
 
 
 def test_no_survivor_plan_names_the_smallest_configuration():
-    from jaxmem.elastic._recovery import RecoveryError, plan_recovery
+    from jaxmem.elastic import RecoveryError, choose_recovery
 
     config = TrainConfig(stages=2, microbatches=2, batch_size=4, steps=10)
     with pytest.raises(RecoveryError, match="smallest runnable configuration"):
-        plan_recovery(config, devices_per_proc=1, nprocs=2, failed=[0, 1], steps_done=3, last_checkpoint=2)
+        choose_recovery(config, devices_per_proc=1, nprocs=2, failed=[0, 1], steps_done=3, last_checkpoint=2)
 
 
 @pytest.mark.timeout(600)

@@ -1,4 +1,5 @@
-"""The memory ledger: analytical model vs the program (jaxpr residuals) vs the compiler (memory_analysis)."""
+"""The memory ledger: predicted (model facts) vs the program (jaxpr residuals) vs the compiler
+(memory_analysis), for the GPT and the Llama."""
 
 import json
 import random
@@ -6,10 +7,10 @@ import random
 import pytest
 
 from jaxmem.config import TrainConfig
-from jaxmem.memory import compare, measure, predict, stage_residual_bytes
-from jaxmem.models import get_config
+from jaxmem.memory import compare, model_facts, predict, stage_residual_bytes
+from jaxmem.models import GPT_TAGS, get_model
 from jaxmem.pipeline import Pipeline, make_mesh
-from jaxmem.policy import ALL_TAGS, PRESETS, Policy, StagePolicy
+from jaxmem.policy import PRESETS, Policy, StagePolicy
 from jaxmem.schedule import generate
 from jaxmem.train import Trainer
 
@@ -18,51 +19,56 @@ def _random_policies(n, seed=0):
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        save = frozenset(t for t in ALL_TAGS if rng.random() < 0.5)
-        offload = frozenset(t for t in ALL_TAGS if t not in save and rng.random() < 0.3)
-        out.append(StagePolicy(save=save, offload=offload, offload_stash=rng.random() < 0.2))
+        decisions = {t: rng.choice(["save", "recompute", "recompute", "offload"]) for t in GPT_TAGS.names}
+        out.append(StagePolicy(base="recompute-all", tags=decisions, offload_stash=rng.random() < 0.2))
     return out
 
 
 @pytest.mark.parametrize("policy", list(PRESETS.values()) + _random_policies(8), ids=lambda p: p.describe()[:40])
-def test_analytical_residuals_equal_the_jaxpr(policy):
-    config = get_config("tiny", n_layers=6, max_seq_len=32)
-    pipe = Pipeline(config, generate("1f1b", 3, 3), make_mesh(1, 3), policy=Policy(default=policy))
+def test_closed_form_residuals_equal_the_executors_jaxpr(policy):
+    model = get_model("tiny", n_layers=6, max_seq_len=32)
+    pipe = Pipeline(model, generate("1f1b", 3, 3), make_mesh(1, 3), policy=Policy(default=policy))
+    bound = policy.bind(model.tags)
     for c, plan in pipe.residual_plans(6, 32).items():
         by_space = plan.stash_bytes_by_buffer()
         measured = (by_space.get(("float32", "device"), 0), by_space.get(("float32", "host"), 0))
         predicted = stage_residual_bytes(
-            config, layers=c.layers, first=c.first, last=c.last, microbatch=2, seq=32, policy=policy
+            model.config, layers=c.layers, first=c.first, last=c.last, microbatch=2, seq=32, policy=bound
         )
         assert measured == predicted, c
 
 
 RECOMPUTE_PRESETS = ["save-all", "selective", "recompute-all"]
 SCHEDULES = [("1f1b", None), ("gpipe", None), ("interleaved-1f1b", 2)]
+MODELS = ["tiny", "llama-tiny"]
 
 
 @pytest.fixture(scope="module")
 def reports():
     out = {}
-    for schedule, virtual in SCHEDULES:
-        for policy in RECOMPUTE_PRESETS:
-            config = TrainConfig(schedule=schedule, virtual=virtual, policy=policy, steps=1)
-            trainer = Trainer(config)
-            predicted = predict(trainer.model_config, trainer.schedule, policy, batch=32, seq=64)
-            out[(schedule, policy)] = compare(predicted, measure(trainer))
+    for model in MODELS:
+        for schedule, virtual in SCHEDULES:
+            for policy in RECOMPUTE_PRESETS:
+                config = TrainConfig(model=model, schedule=schedule, virtual=virtual, policy=policy, steps=1)
+                trainer = Trainer(config)
+                predicted = predict(trainer.model, trainer.schedule, policy, batch=32, seq=64)
+                out[(model, schedule, policy)] = compare(predicted, trainer.measure_memory())
     return out
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
-def test_recompute_lowers_compiled_device_bytes(reports, schedule):
-    compiled = {p: reports[(schedule, p)]["ranks"][0]["compiled_device_bytes"] for p in RECOMPUTE_PRESETS}
+def test_recompute_lowers_compiled_device_bytes(reports, model, schedule):
+    compiled = {p: reports[(model, schedule, p)]["ranks"][0]["compiled_device_bytes"] for p in RECOMPUTE_PRESETS}
     assert compiled["recompute-all"] < compiled["selective"] < compiled["save-all"]
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
 @pytest.mark.parametrize("policy", RECOMPUTE_PRESETS)
-def test_prediction_within_ten_percent_on_every_rank(reports, schedule, policy):
-    report = reports[(schedule, policy)]
+def test_prediction_within_ten_percent_on_every_rank(reports, model, schedule, policy):
+    report = reports[(model, schedule, policy)]
+    assert report["meta"]["model"] == model
     assert len(report["ranks"]) == 4
     for rank in report["ranks"]:
         assert abs(rank["prediction_error"]) <= 0.10, rank
@@ -72,11 +78,10 @@ def test_prediction_within_ten_percent_on_every_rank(reports, schedule, policy):
 
 
 def test_ledger_moves_offloaded_bytes_to_host():
-    config = get_config("tiny")
     schedule = generate("1f1b", 4, 8)
-    base = predict(config, schedule, "save-all", batch=32, seq=64)
-    stash = predict(config, schedule, "offload-stash", batch=32, seq=64)
-    weights = predict(config, schedule, "offload-weights", batch=32, seq=64)
+    base = predict("tiny", schedule, "save-all", batch=32, seq=64)
+    stash = predict("tiny", schedule, "offload-stash", batch=32, seq=64)
+    weights = predict("tiny", schedule, "offload-weights", batch=32, seq=64)
     for b, s, w in zip(base.ranks, stash.ranks, weights.ranks):
         assert s.categories["stash"].device == 0
         assert s.categories["stash"].host == b.categories["stash"].device
@@ -86,8 +91,7 @@ def test_ledger_moves_offloaded_bytes_to_host():
 
 
 def test_live_stash_follows_the_schedule():
-    config = get_config("tiny")
-    ledger = predict(config, generate("1f1b", 4, 8), "save-all", batch=32, seq=64)
+    ledger = predict("llama-tiny", generate("1f1b", 4, 8), "save-all", batch=32, seq=64)
     live = [r.live_stash_bytes for r in ledger.ranks]
     assert live == sorted(live, reverse=True) and live[0] > live[-1]
 
@@ -123,6 +127,26 @@ def test_memory_cli_json(capsys, tmp_path):
         assert set(rank["categories"]) == {"params", "grads", "optimizer_state", "stash", "transient"}
 
 
+def test_mixed_precision_ledger_counts_bf16_stash_and_float32_state():
+    schedule = generate("1f1b", 4, 8)
+    f32 = predict("llama-tiny", schedule, "save-all", batch=32, seq=64)
+    bf16 = predict(get_model("llama-tiny", dtype="bfloat16"), schedule, "save-all", batch=32, seq=64)
+    for name in ("params", "grads", "optimizer_state"):
+        assert bf16.ranks[0].categories[name] == f32.ranks[0].categories[name]
+    assert bf16.ranks[0].categories["stash"].device == f32.ranks[0].categories["stash"].device / 2
+
+
+def test_traced_and_closed_form_ledgers_agree_for_the_gpt():
+    model = get_model("tiny")
+    schedule = generate("interleaved-1f1b", 4, 8, 2)
+    for policy in ("save-all", "selective", "recompute-all", "offload-stash"):
+        closed = predict(model, schedule, policy, batch=32, seq=64)
+        traced = predict(model, schedule, policy, batch=32, seq=64, facts=model_facts(model, analytic=False))
+        assert closed.meta["facts"] == "analytic" and traced.meta["facts"] == "traced"
+        for a, b in zip(closed.ranks, traced.ranks):
+            assert a.categories == b.categories and a.live_stash_bytes == b.live_stash_bytes
+
+
 def test_memory_cli_predicted_only_for_a_big_model(capsys):
     from jaxmem.cli import main
 
@@ -146,4 +170,14 @@ def test_memory_cli_predicted_only_for_a_big_model(capsys):
     )
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["ranks"][0]["compiled_device_bytes"] is None
+    assert report["ranks"][0]["predicted_device_bytes"] > 2**30
+
+
+def test_memory_cli_for_a_traced_model_without_compiling(capsys):
+    from jaxmem.cli import main
+
+    argv = ["memory", "--model", "llama-1b", "--dtype", "bfloat16", "--stages", "4", "--microbatches", "8"]
+    code = main([*argv, "--batch-size", "8", "--seq-len", "2048", "--policy", "selective", "--compile", "no", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["model"] == "llama-1b" and report["meta"]["facts"] == "traced"
     assert report["ranks"][0]["predicted_device_bytes"] > 2**30

@@ -1,17 +1,16 @@
-"""The shard_map executor: every schedule gives plain jax.grad gradients; compile behaviour; input errors."""
+"""The shard_map executor: every schedule gives plain jax.grad gradients (GPT and Llama, float32 and
+bfloat16, masked losses, layer drop); compile behaviour; input errors."""
 
-import dataclasses
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxmem import JaxmemError
 from jaxmem.config import TrainConfig
-from jaxmem.models import GPT, get_config
+from jaxmem.models import get_model, make_batch
 from jaxmem.pipeline import Pipeline, build_tick_program, make_mesh
 from jaxmem.schedule import generate, load_csv
 from jaxmem.train import Trainer
@@ -44,14 +43,14 @@ def test_gradients_equal_plain_grad(name, p, m, v, d):
 
 
 def test_gradients_elementwise_against_plain_grad_tied_head_uneven_split():
-    config = dataclasses.replace(get_config("tiny"), n_layers=8, max_seq_len=16, tied_head=True)
+    model = get_model("tiny", n_layers=8, max_seq_len=16, tied_head=True)
     schedule = generate("1f1b", 3, 6)
-    pipe = Pipeline(config, schedule, make_mesh(1, 3), layer_counts=[3, 3, 2])
-    params = nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(3))))
-    tokens = jax.random.randint(jax.random.PRNGKey(0), (6, 16), 0, config.vocab_size)
-    targets = jnp.roll(tokens, -1, axis=1)
-    loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), tokens, targets)
-    loss_ref, grads_ref = plain_value_and_grad(config, params, tokens, targets)
+    pipe = Pipeline(model, schedule, make_mesh(1, 3), layer_counts=[3, 3, 2])
+    params = model.init(3)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (6, 16), 0, 256, dtype=jnp.int32)
+    batch = make_batch(tokens, jnp.roll(tokens, -1, axis=1))
+    loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), batch)
+    loss_ref, grads_ref = plain_value_and_grad(model, params, batch)
     np.testing.assert_allclose(loss, loss_ref, rtol=RTOL, atol=ATOL)
     got = pipe.to_model_params(grads)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(grads_ref)):
@@ -130,11 +129,21 @@ def test_schedule_stage_count_mismatch(tmp_path):
 
 
 def test_unknown_model_preset():
-    with pytest.raises(JaxmemError, match="unknown model preset 'gpt5'; valid presets: tiny, gpt2-small"):
+    with pytest.raises(JaxmemError, match="unknown model preset 'gpt5'; valid presets: tiny, gpt2-small.*llama-tiny"):
         Trainer(TrainConfig(model="gpt5"))
 
 
 def test_verification_model_splits_evenly():
     assert verification_model(8).n_layers == 8
     assert verification_model(3).n_layers == 6
-    assert verification_model(2).n_layers == 4
+    assert verification_model(2, "llama-tiny").n_layers == 4
+
+
+def test_a_batch_of_the_wrong_structure_is_refused():
+    pipe = Pipeline("tiny", generate("1f1b", 2, 2), make_mesh(1, 2))
+    fn = pipe.grad_fn(4, 16)
+    tokens = jnp.zeros((4, 16), jnp.int32)
+    with pytest.raises(JaxmemError, match="built for batches .*tokens.*; got .*loss_mask"):
+        fn(pipe.abstract_params(), make_batch(tokens, tokens, loss_mask=jnp.ones((4, 16))))
+    with pytest.raises(JaxmemError, match="a batch is a dict with 'tokens' and 'targets'"):
+        pipe.check_batch((tokens, tokens))

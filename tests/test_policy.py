@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from jaxmem.config import TrainConfig
-from jaxmem.models import get_config
+from jaxmem.models import GPT_TAGS, get_model
 from jaxmem.pipeline import Pipeline, make_mesh
-from jaxmem.policy import ALL_TAGS, PRESETS, Policy, PolicyError, StagePolicy, from_spec, microbatch_classes
+from jaxmem.policy import PRESETS, Policy, PolicyError, StagePolicy, from_spec, microbatch_classes
 from jaxmem.schedule import generate
 from jaxmem.train import Trainer
 from jaxmem.verify import verify
@@ -30,11 +30,12 @@ def test_per_stage_and_per_microbatch_policy_gradients():
         "microbatch": {"mb3": "recompute-all"},
     }
     schedule = generate("1f1b", 4, 4)
-    resolved = from_spec(spec).resolve(schedule)
+    resolved = from_spec(spec).resolve(schedule, GPT_TAGS)
     assert len(resolved.variants) >= 3
-    assert resolved.stage_policy(0, 1) == PRESETS["recompute-all"]
+    recompute_all = PRESETS["recompute-all"].bind(GPT_TAGS)
+    assert resolved.stage_policy(0, 1) == recompute_all
     assert resolved.stage_policy(2, 0).offload == {"mlp_hidden"}
-    assert resolved.stage_policy(1, 3) == PRESETS["recompute-all"]
+    assert resolved.stage_policy(1, 3) == recompute_all
     assert verify(schedule, policy=spec)["ok"]
 
 
@@ -44,56 +45,57 @@ def test_policies_are_hashable_values():
     assert hash(from_spec({"base": "save-all", "stage": {"1": "recompute-all"}})) == hash(
         from_spec({"base": "save-all", "stage": {"1": "recompute-all"}})
     )
-    assert StagePolicy().decision("attn_probs") == "save"
-    assert PRESETS["selective"].decision("attn_probs") == "recompute"
+    assert StagePolicy().bind(GPT_TAGS).decision("attn_probs") == "save"
+    assert PRESETS["selective"].bind(GPT_TAGS).decision("attn_probs") == "recompute"
+    assert PRESETS["selective"].bind(GPT_TAGS).recompute == {"attn_probs"}
 
 
 def test_toml_policy_file(tmp_path):
     path = tmp_path / "p.toml"
     path.write_text('base = "save-all"\nattn_probs = "offload"\n[stage.1]\nbase = "recompute-all"\n')
     policy = from_spec(str(path))
-    assert policy.default.offload == {"attn_probs"} and policy.stages[0][0] == 1
+    assert policy.default.bind(GPT_TAGS).offload == {"attn_probs"} and policy.stages[0][0] == 1
 
 
 @pytest.mark.parametrize(
     "spec,message",
     [
-        ({"attn_prob": "save"}, "unknown keys"),
-        ({"tags": {"attn_prob": "save"}}, "unknown activation tag 'attn_prob'; valid tags: attn_in"),
+        ({"attn_prob": "save"}, "policy 'custom': unknown activation tag 'attn_prob'; the model declares: attn_in"),
+        ({"tags": {"attn_prob": "save"}}, "unknown activation tag 'attn_prob'; the model declares: attn_in"),
         ("save-some", "unknown policy preset 'save-some'; presets: save-all"),
         ({"tags": {"q": "keep"}}, "unknown decision 'keep'; use save, recompute or offload"),
+        ({"stages": {"0": "save-all"}}, r"unknown key 'stages' = .*valid keys: base, .*stage, microbatch"),
     ],
 )
 def test_bad_specs(spec, message):
     with pytest.raises(PolicyError, match=message):
-        from_spec(spec)
+        from_spec(spec).resolve(generate("1f1b", 2, 2), GPT_TAGS)
 
 
 def test_unknown_stage_and_microbatch_class():
     schedule = generate("1f1b", 2, 4)
     with pytest.raises(PolicyError, match=r"names stage 5; the schedule has stages 0..1"):
-        from_spec({"stage": {"5": "recompute-all"}}).resolve(schedule)
+        from_spec({"stage": {"5": "recompute-all"}}).resolve(schedule, GPT_TAGS)
     with pytest.raises(PolicyError, match=r"microbatch class 'cooldown'.*valid classes: warmup, steady, mb0..mb3"):
-        from_spec({"microbatch": {"cooldown": "recompute-all"}}).resolve(schedule)
+        from_spec({"microbatch": {"cooldown": "recompute-all"}}).resolve(schedule, GPT_TAGS)
     gpipe = generate("gpipe", 2, 4)
     assert "steady" not in microbatch_classes(gpipe)
     with pytest.raises(PolicyError, match="valid classes: warmup, mb0"):
-        from_spec({"microbatch": {"steady": "recompute-all"}}).resolve(gpipe)
+        from_spec({"microbatch": {"steady": "recompute-all"}}).resolve(gpipe, GPT_TAGS)
 
 
 def test_weight_offload_must_agree_across_ranks():
     schedule = generate("zbv", 2, 4)  # rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
     with pytest.raises(PolicyError, match=r"offload_weights is set for stages \[0\] .* local position 0"):
-        from_spec({"stage": {"0": "offload-weights"}}).resolve(schedule)
-    from_spec({"stage": {"0": "offload-weights", "1": "offload-weights"}}).resolve(schedule)
+        from_spec({"stage": {"0": "offload-weights"}}).resolve(schedule, GPT_TAGS)
+    from_spec({"stage": {"0": "offload-weights", "1": "offload-weights"}}).resolve(schedule, GPT_TAGS)
 
 
 def test_checkpoint_policy_lowering_saves_exactly_the_named_values():
-    sp = StagePolicy(save=frozenset({"mlp_hidden"}))
-    policy = sp.checkpoint_policy()
-    assert policy is not None
-    config = get_config("tiny", n_layers=3, max_seq_len=16)
-    pipe = Pipeline(config, generate("1f1b", 3, 3), make_mesh(1, 3), policy=sp)
+    sp = StagePolicy(base="recompute-all", tags={"mlp_hidden": "save"})
+    assert sp.bind(GPT_TAGS).checkpoint_policy() is not None
+    config = get_model("tiny", n_layers=3, max_seq_len=16).config
+    pipe = Pipeline(get_model(config), generate("1f1b", 3, 3), make_mesh(1, 3), policy=sp)
     plans = pipe.residual_plans(6, 16)
     mid = next(p for c, p in plans.items() if not c.first and not c.last)
     shapes = [leaf.shape for leaf in mid.stashed_leaves()]
@@ -110,7 +112,7 @@ def _host_leaf_names(plan):
         for out in eqn.outvars:
             producer[out] = eqn
     names = []
-    for var in jaxpr.outvars[1:]:
+    for var in jaxpr.outvars[len(plan.out_avals) :]:
         if "host" not in str(getattr(var.aval, "memory_space", "")).lower():
             continue
         eqn = producer[var]
@@ -121,9 +123,9 @@ def _host_leaf_names(plan):
 
 
 def test_offloaded_tag_is_on_host_and_nothing_else():
-    config = get_config("tiny", n_layers=4, max_seq_len=16)
+    model = get_model("tiny", n_layers=4, max_seq_len=16)
     spec = {"base": "save-all", "mlp_hidden": "offload"}
-    pipe = Pipeline(config, generate("1f1b", 2, 2), make_mesh(1, 2), policy=spec)
+    pipe = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2), policy=spec)
     for c, plan in pipe.residual_plans(4, 16).items():
         names = _host_leaf_names(plan)
         assert names == ["mlp_hidden"] * c.layers, (c, names)
@@ -133,11 +135,12 @@ def test_offloaded_tag_is_on_host_and_nothing_else():
 
 def _scan_carry_spaces(pipe, batch, seq):
     """Memory spaces of the executor's scan carry: (message buffers, stash buffers, grads)."""
-    import jax.numpy as jnp
+
+    from jaxmem.pipeline import batch_spec
 
     params = pipe.abstract_params()
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    jaxpr = jax.make_jaxpr(pipe.grad_fn(batch, seq))(params, tokens, tokens)
+    spec = batch_spec(batch, seq)
+    jaxpr = jax.make_jaxpr(pipe.grad_fn(spec))(params, spec)
 
     def find_scan(j):
         for eqn in j.eqns:
@@ -158,14 +161,14 @@ def _scan_carry_spaces(pipe, batch, seq):
 
 
 def test_offload_stash_puts_exactly_the_stash_buffers_on_host():
-    config = get_config("tiny", n_layers=2, max_seq_len=16)
-    save_all = Pipeline(config, generate("1f1b", 2, 2), make_mesh(1, 2))
-    offload = Pipeline(config, generate("1f1b", 2, 2), make_mesh(1, 2), policy="offload-stash")
+    model = get_model("tiny", n_layers=2, max_seq_len=16)
+    save_all = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2))
+    offload = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2), policy="offload-stash")
     tick, _ = offload.program(4, 16)
     n_stash = len(tick.stash_keys)
     assert n_stash >= 1 and all(space == "host" for _, space in tick.stash_keys)
     spaces = _scan_carry_spaces(offload, 4, 16)
-    # carry = act buffer, grad buffer, stash arenas..., grads..., shared grads..., loss
+    # carry = act buffer, grad buffer, stash arenas..., grads..., shared grads..., loss sum, weight
     assert spaces[:2] == ["device", "device"]
     assert spaces[2 : 2 + n_stash] == ["host"] * n_stash
     assert set(spaces[2 + n_stash :]) == {"device"}
@@ -186,8 +189,9 @@ def test_offload_weights_keeps_stage_weights_on_host():
     assert kinds == {"pinned_host"}
 
 
-def test_all_tags_match_the_model():
+def test_the_gpt_declares_every_tag_it_emits_and_selective_recomputes_its_quadratic_group():
     from jaxmem.models.gpt import HEAD_TAGS, TAGS
 
-    assert TAGS + HEAD_TAGS == ALL_TAGS
-    assert isinstance(Policy(), Policy)
+    assert GPT_TAGS.names == TAGS + HEAD_TAGS and GPT_TAGS.group("quadratic") == {"attn_probs"}
+    pipe = Pipeline("tiny", generate("1f1b", 2, 2), make_mesh(1, 2), policy=Policy())
+    pipe.residual_plans(4, 16)  # checks the emitted tags against the declared ones

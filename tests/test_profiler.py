@@ -23,12 +23,15 @@ def _batch(trainer, state, seq):
     return trainer.put_batch(batch)
 
 
+def _profiler(trainer, budget, **kw):
+    return AdaptiveProfiler(trainer.pipeline, budget, build_step=trainer.build_step, **kw)
+
+
 def test_new_shapes_and_layer_drop_are_new_signatures_and_programs_are_reused(trainer):
     state = trainer.init_state()
-    profiler = AdaptiveProfiler(trainer, 64 * MiB)
+    profiler = _profiler(trainer, 64 * MiB)
     for seq, drop in [(16, ()), (32, ()), (16, ()), (16, (3,)), (32, ())]:
-        tokens, targets = _batch(trainer, state, seq)
-        state, loss = profiler.step(state, tokens, targets, frozenset(drop))
+        state, loss = profiler.step(state, _batch(trainer, state, seq), frozenset(drop))
     assert len(profiler.records) == 3 and profiler.compile_count == 3
     seen = {r.label: r.seen for r in profiler.records}
     assert seen == {"batch 4 x seq 16": 2, "batch 4 x seq 32": 2, "batch 4 x seq 16, drop layers [3]": 1}
@@ -37,40 +40,41 @@ def test_new_shapes_and_layer_drop_are_new_signatures_and_programs_are_reused(tr
 
 
 def test_python_control_flow_is_caught_by_the_fingerprint(trainer):
-    profiler = AdaptiveProfiler(trainer, 64 * MiB, fingerprint=True)
+    profiler = _profiler(trainer, 64 * MiB, fingerprint=True)
     tokens = jnp.zeros((4, 16), jnp.int32)
+    batch = {"tokens": tokens, "targets": tokens}
     mode = {"scale": 1}
 
     def program(t):  # stands for user code whose trace depends on Python state
         return t * 2 if mode["scale"] == 2 else t + 1
 
-    first = profiler.signature(tokens, fingerprint_fn=program)
-    assert profiler.signature(tokens, fingerprint_fn=program) == first
+    first = profiler.signature(batch, fingerprint_fn=program)
+    assert profiler.signature(batch, fingerprint_fn=program) == first
     mode["scale"] = 2
-    assert profiler.signature(tokens, fingerprint_fn=program) != first
+    assert profiler.signature(batch, fingerprint_fn=program) != first
+    masked = profiler.signature({**batch, "loss_mask": jnp.ones((4, 16))}, fingerprint_fn=program)
+    assert masked != profiler.signature(batch, fingerprint_fn=program)  # another batch structure: another program
 
 
 def test_tight_budget_picks_recompute_and_fits(trainer):
     state = trainer.init_state()
-    save_all = AdaptiveProfiler(trainer, 1e12).predict("save-all", 4, 32, frozenset())[0]
-    recompute = AdaptiveProfiler(trainer, 1e12).predict("recompute-all", 4, 32, frozenset())[0]
+    save_all = _profiler(trainer, 1e12).predict("save-all", 4, 32, frozenset())[0]
+    recompute = _profiler(trainer, 1e12).predict("recompute-all", 4, 32, frozenset())[0]
     budget = (save_all + recompute) / 2
-    profiler = AdaptiveProfiler(trainer, budget)
-    tokens, targets = _batch(trainer, state, 32)
-    profiler.step(state, tokens, targets)
+    profiler = _profiler(trainer, budget)
+    profiler.step(state, _batch(trainer, state, 32))
     record = profiler.records[0]
     assert record.policy != "save-all" and record.compiled_bytes <= budget
 
 
 def test_escalation_when_the_compiled_program_misses_the_budget(trainer):
     state = trainer.init_state()
-    probe = AdaptiveProfiler(trainer, 1e12)
+    probe = _profiler(trainer, 1e12)
     predicted = {p: probe.predict(p, 4, 32, frozenset())[0] for p in probe.policies}
     # Trust predictions too much (margin < 1) so that the first choice is compiled, misses, and escalates.
     budget = predicted["save-all"] * 0.985
-    profiler = AdaptiveProfiler(trainer, budget, margin=0.9)
-    tokens, targets = _batch(trainer, state, 32)
-    profiler.step(state, tokens, targets)
+    profiler = _profiler(trainer, budget, margin=0.9)
+    profiler.step(state, _batch(trainer, state, 32))
     record = profiler.records[0]
     assert record.compiled_bytes <= budget
     assert record.compiles <= 2  # never more than one profiling compile beyond the needed one
@@ -80,32 +84,31 @@ def test_escalation_when_the_compiled_program_misses_the_budget(trainer):
 
 def test_infeasible_budget_is_a_clear_error_with_the_deficit(trainer):
     state = trainer.init_state()
-    profiler = AdaptiveProfiler(trainer, 1 * MiB)
-    tokens, targets = _batch(trainer, state, 32)
+    profiler = _profiler(trainer, 1 * MiB)
     with pytest.raises(BudgetError, match="MiB short") as info:
-        profiler.step(state, tokens, targets)
+        profiler.step(state, _batch(trainer, state, 32))
     assert info.value.deficit > 0
     assert profiler.compile_count == 0  # found out before compiling
 
 
 def test_exploring_times_an_untried_policy_in_the_background_and_keeps_the_faster(trainer):
-    tokens, targets = _batch(trainer, trainer.init_state(), 16)
+    batch = _batch(trainer, trainer.init_state(), 16)
 
     def run(profiler, steps, wait_after=None):
         state, losses = trainer.init_state(), []  # the same initial state each time (steps donate it)
         for i in range(steps):
-            state, loss = profiler.step(state, tokens, targets)
+            state, loss = profiler.step(state, batch)
             losses.append(float(loss))
             if i + 1 == wait_after:
                 profiler.close()  # wait for the background compile (a real run trains on meanwhile)
         return losses
 
     # Too short a run to pay for a compile: nothing is explored.
-    reference = AdaptiveProfiler(trainer, 64 * MiB, horizon=8)
+    reference = _profiler(trainer, 64 * MiB, horizon=8)
     expected = run(reference, 8)
     assert reference.compile_count == 1 and reference.records[0].explored is None
 
-    profiler = AdaptiveProfiler(trainer, 64 * MiB)
+    profiler = _profiler(trainer, 64 * MiB)
     losses = run(profiler, 8, wait_after=3)  # 3 steps of the chosen program, 3 of the probe, 2 again
     record = profiler.records[0]
     explored = record.explored
@@ -121,14 +124,14 @@ def test_exploring_times_an_untried_policy_in_the_background_and_keeps_the_faste
 
     # A later signature switches to a policy measured faster elsewhere (here: we say it was).
     state = trainer.init_state()
-    tokens, targets = _batch(trainer, state, 32)
-    state, _ = profiler.step(state, tokens, targets)
+    batch = _batch(trainer, state, 32)
+    state, _ = profiler.step(state, batch)
     second = profiler.records[1]
     faster = next(p for p in ("recompute-all", "selective", "save-all") if p != second.policy)
     profiler.correction[faster] = 1e-6
     for _ in range(2):
-        state, _ = profiler.step(state, tokens, targets)
-    probe = profiler.programs[profiler.signature(tokens)].probe
+        state, _ = profiler.step(state, batch)
+    probe = profiler.programs[profiler.signature(batch)].probe
     assert probe is not None and probe.policy == faster and probe.reason == "measured faster elsewhere"
     assert second.compiles == 2
     profiler.close()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tomllib
 
-from jaxmem._errors import JaxmemError
+from jaxmem._util import load_toml as load_toml
+from jaxmem._util import parse_bytes as parse_bytes
+from jaxmem._util import parse_int_list as parse_int_list
 
 
 def setup_devices(count: int | None) -> None:
@@ -38,51 +39,5 @@ def maybe_initialize_distributed() -> None:
         )
 
 
-def load_toml(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise JaxmemError(f"config file {path!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise JaxmemError(f"config file {path!r} is not valid TOML: {e}") from None
-    except OSError as e:
-        raise JaxmemError(f"cannot read config file {path!r}: {e.strerror or e}") from None
-
-
 def print_json(record) -> None:
     print(json.dumps(record, indent=2, default=str))
-
-
-def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise JaxmemError(f"{flag} takes comma-separated integers like 3,3,2; got {text!r}") from None
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(text: str, flag: str = "--budget") -> float:
-    """'24GiB', '512 MiB', '8e9', '1.5GB' -> bytes."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise JaxmemError(f"{flag} takes a size like 24GiB, 512MiB, 8e9 or 1.5GB; got {text!r}")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value <= 0:
-        raise JaxmemError(f"{flag} must be > 0, got {text!r}")
-    return value

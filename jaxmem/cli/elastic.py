@@ -1,4 +1,4 @@
-"""``jaxmem elastic plan``: the recovery planner's decision for a failure, without running anything."""
+"""``jaxmem elastic recovery``: the recovery planner's decision for a failure, without running anything."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from jaxmem.cli._common import print_json
 
 _EPILOG = """\
 examples:
-  jaxmem elastic plan --devices 8 --failed 3 -- --stages 4 --data-parallel 2 --microbatches 4 --batch-size 16
-  jaxmem elastic plan --devices 4 --failed 1 --json -- --stages 4 --microbatches 4 --batch-size 8 --steps 100
+  jaxmem elastic recovery --devices 8 --failed 3 -- --stages 4 --data-parallel 2 --microbatches 4 --batch-size 16
+  jaxmem elastic recovery --devices 4 --failed 1 --json -- --stages 4 --microbatches 4 --batch-size 8 --steps 100
+  jaxmem elastic recovery --devices 8 --failed 0 -- --model llama-1b --stages 8 --microbatches 8 --batch-size 16
 
 The arguments after `--` describe the running job (as for `jaxmem train`). Strategies: restart on
 spares, shrink data-parallel, re-partition over fewer pipeline stages, reroute (scored, not runnable
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = p.add_subparsers(dest="elastic_command", metavar="ACTION")
-    a = actions.add_parser("plan", help="score the recovery strategies for a failure")
+    a = actions.add_parser("recovery", help="score the recovery strategies for a failure")
     a.add_argument("--devices", type=int, required=True, help="devices of the job before the failure")
     a.add_argument("--failed", type=int, action="append", required=True, help="failed device rank (repeatable)")
     a.add_argument("--devices-per-proc", type=int, default=1, help="devices per process (the unit that fails)")
@@ -48,11 +49,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from jaxmem._errors import JaxmemError
-    from jaxmem.elastic._launcher import _parse
-    from jaxmem.elastic._recovery import cpu_cores, plan_recovery
+    from jaxmem.config import parse_train_args
+    from jaxmem.elastic import choose_recovery, cpu_cores
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    config = _parse(train_args)
+    config = parse_train_args(train_args)
     if config.stages * config.data_parallel != args.devices:
         raise JaxmemError(
             f"--devices {args.devices} does not match the job's data({config.data_parallel}) x "
@@ -65,7 +66,7 @@ def run(args) -> int:
     if bad:
         raise JaxmemError(f"--failed {bad}: device ranks are 0..{args.devices - 1}")
     failed = sorted({f // args.devices_per_proc for f in args.failed})
-    plan = plan_recovery(
+    recovery = choose_recovery(
         config,
         devices_per_proc=args.devices_per_proc,
         nprocs=nprocs,
@@ -79,8 +80,8 @@ def run(args) -> int:
         cores=cpu_cores() if str(args.hardware).strip().lower() == "cpu" else None,
     )
     if args.json:
-        print_json(plan.to_json())
+        print_json(recovery.to_json())
     else:
-        for line in plan.explain():
+        for line in recovery.explain():
             print(line)
     return 0

@@ -15,7 +15,7 @@ examples:
 Everything after `--` goes to `jaxmem train` (a checkpoint directory and a sample log are added under
 --run-dir unless given). On a failure -- a worker exits, or its heartbeat is older than
 --heartbeat-seconds -- the launcher stops the other workers, asks the recovery planner for the best
-plan on what is left (`jaxmem elastic plan` shows the same decision), and restarts from the last
+configuration for what is left (`jaxmem elastic recovery` shows the same decision), and restarts from the last
 complete checkpoint. --inject-failure makes worker R SIGKILL itself at step K (first attempt only),
 for tests and drills. Workers meet on 127.0.0.1 here; on SLURM/Kubernetes/TPU, start `jaxmem train`
 with your cluster's launcher instead: it joins via jax.distributed.initialize() auto-detection."""
@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from jaxmem.elastic._launcher import launch, parse_failure
+    from jaxmem.elastic import launch, parse_failure
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     failures = [parse_failure(f) for f in args.inject_failure]

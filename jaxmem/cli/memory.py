@@ -11,13 +11,15 @@ examples:
   jaxmem memory                                          # tiny GPT, 1f1b P=4 M=8, save-all
   jaxmem memory --policy recompute-all --json
   jaxmem memory --schedule interleaved-1f1b --virtual 2 --policy selective -o ledger.png
+  jaxmem memory --model llama-tiny --dtype bfloat16 --policy selective
   jaxmem memory --model gpt2-xl --stages 8 --microbatches 16 --batch-size 16 --seq-len 1024 --compile no
 
-Policies: save-all, recompute-all, selective, offload-stash, offload-weights, offload-tags, or a TOML
-file (see README). "predicted" comes from the analytical model (no compile); "compiled" from the
-jitted train step's memory_analysis() and the program's residuals and array memory kinds. On CPU,
-host offload is not lowered: offloaded bytes are proved structurally and their device saving is
-predicted."""
+Policies: save-all, recompute-all, selective, offload-stash, offload-weights, offload-optimizer-state,
+offload-tags, or a TOML file (see README). "predicted" comes from the model's facts -- its traced
+residuals and cost_analysis() FLOPs (the GPT: its closed form) -- without compiling the step;
+"compiled" from the jitted train step's memory_analysis() and the program's residuals and array
+memory kinds. On CPU, host offload is not lowered: offloaded bytes are proved structurally and their
+device saving is predicted."""
 
 
 def add_parser(sub) -> None:
@@ -28,7 +30,9 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. llama-tiny, gpt2-xl)")
+    p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
+    p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     p.add_argument("--schedule", default="1f1b", help="schedule name (default 1f1b)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (default 4)")
@@ -54,6 +58,8 @@ def _config(args):
 
     return TrainConfig(
         model=args.model,
+        dtype=args.dtype,
+        param_dtype=args.param_dtype,
         schedule=None if args.csv else args.schedule,
         schedule_csv=args.csv,
         stages=args.stages,
@@ -69,9 +75,9 @@ def _config(args):
 
 def ledger_report(config, compile_mode: str = "auto") -> dict:
     """Predicted ledger, and the compiled one when asked (or small enough); the JSON of the command."""
-    from jaxmem.memory import compare, measure, predict
+    from jaxmem.memory import compare, predict
 
-    model = config.model_config()
+    model = config.build_model()
     schedule = config.build_schedule()
     predicted = predict(
         model,
@@ -87,7 +93,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
     if compile_mode == "yes" or (compile_mode == "auto" and small):
         from jaxmem.train import Trainer
 
-        report = compare(predicted, measure(Trainer(config)))
+        report = compare(predicted, Trainer(config).measure_memory())
     else:
         report = {
             "policy": predicted.meta["policy"],
@@ -115,7 +121,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
             "max_prediction_error": None,
             "notes": ["not compiled (--compile no, or too large for this machine): predicted figures only"],
         }
-    report["model"] = config.model
+    report["model"] = model.name
     return report
 
 

@@ -11,13 +11,15 @@ examples:
   jaxmem plan --model gpt2-xl --devices 8 --budget 24GiB
   jaxmem plan --model gpt2-medium --devices 16 --budget 16GiB --hardware tpu-v5p --json
   jaxmem plan --model tiny --devices 4 --budget 12MiB --hardware cpu --batch-size 32 --seq-len 64
+  jaxmem plan --model llama-8b --dtype bfloat16 --devices 16 --budget 40GiB --seq-len 4096
   jaxmem train --plan auto --budget 12MiB          # plan, then train with the pick
 
 Searches pipeline sizes dividing the devices, schedules (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv,
 chronos), microbatch counts and policies (save-all, selective, recompute-all, Chronos-Recomp,
-Chronos-Offload and both), scores each with the analytical memory ledger and the schedule simulator
+Chronos-Offload and both), scores each with the predicted memory ledger and the schedule simulator
 on a hardware profile (h100, tpu-v5p, or cpu = measured on this machine), and returns the fastest
-that fits. Nothing is compiled. Exit code 1 when nothing fits, with the smallest budget that would."""
+that fits. Nothing is compiled: a model's residuals and FLOPs are traced abstractly (the GPT
+presets use their closed form). Exit code 1 when nothing fits, with the smallest budget that would."""
 
 
 def add_parser(sub) -> None:
@@ -28,7 +30,9 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. gpt2-xl, llama-8b)")
+    p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
+    p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     p.add_argument("--devices", type=int, required=True, help="devices available (pipe x data)")
     p.add_argument("--budget", required=True, help="device memory per device, e.g. 24GiB, 512MiB, 8e9")
     p.add_argument("--hardware", default="h100", help="h100 (default), tpu-v5p, or cpu (measured here)")
@@ -41,7 +45,7 @@ def add_parser(sub) -> None:
 
 
 def make_plan(
-    model: str,
+    model,
     devices: int,
     budget: float,
     hardware: str,
@@ -50,22 +54,28 @@ def make_plan(
     seq: int | None = None,
     pipes=None,
     progress: bool = True,
+    **overrides,
 ):
+    """Run the configuration search for a model (a preset name, config or StagedModel)."""
     import dataclasses
+    import sys
 
+    from jaxmem._errors import JaxmemError
     from jaxmem.memory import get_hardware
-    from jaxmem.models import get_config
-    from jaxmem.policy._planner import plan
+    from jaxmem.models import get_model
+    from jaxmem.search import search
 
-    config = get_config(model)
+    if devices < 1:
+        raise JaxmemError(f"--devices must be >= 1, got {devices}")
+    model = get_model(model, **{k: v for k, v in overrides.items() if v is not None})
     hw = get_hardware(hardware)
     if host_bandwidth:
         hw = dataclasses.replace(hw, host_bandwidth=host_bandwidth * 1e9, note=hw.note + "; host link set by flag")
-    batch = batch or (32 if model == "tiny" else 4 * devices)
-    seq = seq or config.max_seq_len
-
-    import sys
-
+    batch = batch or (32 if model.name in ("tiny", "llama-tiny") else 4 * devices)
+    seq = seq or model.max_seq_len or 1024
+    if batch < 1 or seq < 1:
+        raise JaxmemError(f"--batch-size and --seq-len must be >= 1, got {batch} and {seq}")
+    model.check_batch(seq, "--seq-len")
     progress = progress and sys.stderr.isatty()
 
     def report(i, n, schedule):
@@ -77,15 +87,14 @@ def make_plan(
                 flush=True,
             )
 
-    result = plan(
-        config,
+    result = search(
+        model,
         devices=devices,
         budget_bytes=budget,
         hardware=hw,
         batch=batch,
         seq=seq,
         pipes=pipes,
-        model_name=model,
         progress=report,
     )
     if progress:
@@ -105,6 +114,8 @@ def run(args) -> int:
         args.seq_len,
         args.pipe,
         progress=not args.json,
+        dtype=args.dtype,
+        param_dtype=args.param_dtype,
     )
     record = result.to_json()
     record.update({"batch_size": batch, "seq_len": seq})

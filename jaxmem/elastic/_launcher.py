@@ -90,7 +90,7 @@ def _with_flag(args: list, flag: str, value) -> list:
     return out + ([flag, str(value)] if value is not None else [])
 
 
-def _read_heartbeat(path: Path) -> tuple[int | None, float | None]:
+def read_heartbeat(path: Path) -> tuple[int | None, float | None]:
     """(step reached, the worker's median step seconds so far) from a heartbeat file."""
     try:
         fields = path.read_text().split()
@@ -100,7 +100,7 @@ def _read_heartbeat(path: Path) -> tuple[int | None, float | None]:
 
 
 def _read_step(path: Path) -> int | None:
-    return _read_heartbeat(path)[0]
+    return read_heartbeat(path)[0]
 
 
 def launch(
@@ -130,7 +130,9 @@ def launch(
         strategy: force a recovery strategy (by name) instead of the planner's choice.
         timeout: give up (and stop everything) after this many seconds.
     """
-    from jaxmem.elastic._recovery import cpu_cores, plan_recovery
+    from jaxmem.config import parse_train_args
+    from jaxmem.elastic._recovery import choose_recovery, cpu_cores
+    from jaxmem.elastic._worker import FAIL_AT_ENV, HEARTBEAT_ENV
 
     if nprocs < 1 or devices_per_proc < 1:
         raise JaxmemError(f"--nprocs ({nprocs}) and --devices-per-proc ({devices_per_proc}) must be >= 1")
@@ -151,7 +153,7 @@ def launch(
     summary = None
 
     for attempt_index in range(max_restarts + 1):
-        config = _parse(args)
+        config = parse_train_args(args)
         needed = config.stages * config.data_parallel
         if needed > current_nprocs * devices_per_proc:
             raise JaxmemError(
@@ -173,17 +175,17 @@ def launch(
                     "JAXMEM_COORDINATOR": f"127.0.0.1:{port}",
                     "JAXMEM_NUM_PROCESSES": str(current_nprocs),
                     "JAXMEM_PROCESS_ID": str(rank),
-                    "JAXMEM_HEARTBEAT_FILE": str(run / f"heartbeat-{attempt_index}-{rank}"),
+                    HEARTBEAT_ENV: str(run / f"heartbeat-{attempt_index}-{rank}"),
                     "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
                     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
                 }
             )
-            env.pop("JAXMEM_FAIL_AT_STEP", None)
+            env.pop(FAIL_AT_ENV, None)
             if attempt_index == 0:
                 for f in failures:
                     if f.rank == rank:
-                        env["JAXMEM_FAIL_AT_STEP"] = str(f.step)
-            heartbeats.append(Path(env["JAXMEM_HEARTBEAT_FILE"]))
+                        env[FAIL_AT_ENV] = str(f.step)
+            heartbeats.append(Path(env[HEARTBEAT_ENV]))
             out = open(run / f"worker-{attempt_index}-{rank}.log", "w")
             procs.append(
                 subprocess.Popen(
@@ -232,7 +234,7 @@ def launch(
         attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
         _stop(procs)
         attempt.exit_codes = [p.returncode for p in procs]
-        beats = [_read_heartbeat(h) for h in heartbeats]
+        beats = [read_heartbeat(h) for h in heartbeats]
         steps_done = max((step or 0) for step, _ in beats)
         last_ckpt = _latest_checkpoint(Path(_flag_value(args, "--checkpoint-dir")))
         first = attempt.first_step_at
@@ -246,7 +248,7 @@ def launch(
         attempt.measured_step_seconds = measured
         restart_seconds = (first - attempt.started) if first else 15.0
         log(f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); planning recovery")
-        plan = plan_recovery(
+        recovery = choose_recovery(
             config,
             devices_per_proc=devices_per_proc,
             nprocs=current_nprocs,
@@ -258,15 +260,15 @@ def launch(
             restart_seconds=restart_seconds,
             cores=cpu_cores(),
         )
-        for line in plan.explain():
+        for line in recovery.explain():
             log(f"  {line}")
-        choice = plan.choice
+        choice = recovery.choice
         if strategy:
-            forced = [c for c in plan.candidates if c.name == strategy and c.runnable]
+            forced = [c for c in recovery.candidates if c.name == strategy and c.runnable]
             if not forced:
                 raise JaxmemError(
                     f"recovery strategy {strategy!r} cannot run here; runnable: "
-                    f"{[c.name for c in plan.candidates if c.runnable]}"
+                    f"{[c.name for c in recovery.candidates if c.runnable]}"
                 )
             choice = forced[0]
         attempt.strategy = choice.to_json()
@@ -280,18 +282,6 @@ def launch(
         )
         args = _with_flag(args, "--devices", None)
     return LaunchResult(False, attempts, str(run), summary)
-
-
-def _parse(args: list):
-    import argparse
-
-    from jaxmem.cli.train import add_train_arguments, config_from_args
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_train_arguments(parser)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quiet", action="store_true")
-    return config_from_args(parser.parse_args([str(a) for a in args]))
 
 
 def _flag_value(args: list, flag: str):

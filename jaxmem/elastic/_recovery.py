@@ -42,7 +42,7 @@ CPU_TICK_FLOPS = 0.73e9  # fixed cost of one lockstep tick, as the FLOPs that ta
 CPU_IMBALANCE = 0.7  # share of a tick's longest-action excess over the even split that is not absorbed
 OVERSUBSCRIPTION = 0.2  # slowdown exponent of processes beyond the cores
 
-__all__ = ["RecoveryError", "RecoveryPlan", "Strategy", "plan_recovery", "predicted_step_seconds"]
+__all__ = ["Recovery", "RecoveryError", "Strategy", "choose_recovery", "cpu_cores", "predicted_step_seconds"]
 
 
 class RecoveryError(JaxmemError):
@@ -72,7 +72,9 @@ class Strategy:
 
 
 @dataclasses.dataclass(frozen=True)
-class RecoveryPlan:
+class Recovery:
+    """The strategies scored for one failure and the one chosen (the fastest to finish that can run)."""
+
     choice: Strategy | None
     candidates: tuple[Strategy, ...]
     devices_left: int
@@ -126,19 +128,26 @@ def _step_seconds(schedule, costs, data_parallel: int, cores: int | None, rate: 
     return seconds
 
 
-def _modelled_seconds(model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware, cores):
-    """A plan's step before calibration and oversubscription: save-all costs on ``hardware``."""
-    from jaxmem.memory._cost import step_costs
-    from jaxmem.policy import from_spec
+def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, hardware, cores):
+    """A configuration's step before calibration and oversubscription: save-all costs on ``hardware``."""
+    from jaxmem.memory import estimate
 
-    resolved = from_spec("save-all").resolve(schedule)
-    mb = batch // (data_parallel * microbatches)
-    costs = step_costs(model_config, schedule, resolved, list(layer_counts), microbatch=mb, seq=seq, hardware=hardware)
+    costs = estimate(
+        model,
+        schedule,
+        "save-all",
+        batch=batch,
+        seq=seq,
+        data_parallel=data_parallel,
+        layer_counts=list(layer_counts),
+        hardware=hardware,
+        memory=False,
+    ).costs
     return _step_seconds(schedule, costs, data_parallel, cores, hardware.flops_per_second)
 
 
 def predicted_step_seconds(
-    model_config,
+    model,
     schedule_name: str,
     stages: int,
     data_parallel: int,
@@ -152,16 +161,15 @@ def predicted_step_seconds(
     stage_to_rank=None,
     nprocs: int | None = None,
 ) -> float:
-    """Modelled step seconds of a plan before calibration (FLOP costs on ``hardware``); with
+    """Modelled step seconds of a configuration before calibration (FLOP costs on ``hardware``); with
     ``cores`` fewer than the devices, the shared-core lockstep model of the module docstring."""
+    from jaxmem.memory import get_hardware
     from jaxmem.schedule import Schedule, generate
 
     schedule = generate(schedule_name, stages, microbatches)
     if stage_to_rank is not None:
         schedule = Schedule(schedule.ranks, stage_to_rank=stage_to_rank, name=schedule.name)
-    seconds = _modelled_seconds(
-        model_config, schedule, data_parallel, microbatches, batch, seq, layer_counts, hardware, cores
-    )
+    seconds = _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, get_hardware(hardware), cores)
     return seconds * _oversubscription(nprocs, cores)
 
 
@@ -188,7 +196,7 @@ def _reroute_schedule(schedule_name: str, stages: int, microbatches: int, failed
     return Schedule(rows, stage_to_rank=stage_to_rank, name=f"{schedule_name}-reroute")
 
 
-def plan_recovery(
+def choose_recovery(
     config,
     *,
     devices_per_proc: int,
@@ -201,7 +209,7 @@ def plan_recovery(
     restart_seconds: float = 15.0,
     hardware=None,
     cores: int | None = None,
-) -> RecoveryPlan:
+) -> Recovery:
     """Score the strategies for the processes left after ``failed`` (process ranks) died.
 
     Args:
@@ -217,11 +225,10 @@ def plan_recovery(
         cores: CPU cores the devices share (None: as many as devices).
     """
     from jaxmem.memory import get_hardware
-    from jaxmem.schedule import generate
-    from jaxmem.schedule._table import ScheduleError
+    from jaxmem.schedule import ScheduleError, generate
 
     hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
-    model = config.model_config()
+    model = config.build_model()
     P, D, M = config.stages, config.data_parallel, config.microbatches
     B, seq = config.batch_size, config.seq_len
     schedule_name = config.schedule or "1f1b"
@@ -234,7 +241,7 @@ def plan_recovery(
 
     def modelled(stages, data, counts, schedule=None):
         schedule = schedule or generate(schedule_name, stages, M)
-        return _modelled_seconds(model, schedule, data, M, B, seq, counts, hardware, cores)
+        return _modelled_seconds(model, schedule, data, B, seq, counts, hardware, cores)
 
     modelled_original = modelled(P, D, original_counts) * _oversubscription(nprocs, cores)
     scale = measured_step_seconds / modelled_original if measured_step_seconds else 1.0
@@ -322,7 +329,7 @@ def plan_recovery(
             f"least {M} microbatches' worth of batch and one pipeline stage per device; the smallest runnable "
             f"configuration is 1 process x 1 device (P=1, D=1) with batch divisible by {M}"
         )
-    return RecoveryPlan(choice, tuple(candidates), devices_left, remaining)
+    return Recovery(choice, tuple(candidates), devices_left, remaining)
 
 
 def cpu_cores() -> int:

@@ -1,4 +1,5 @@
-"""Time costs of a pipelined step: FLOPs per stage, recompute added to backwards, host transfers.
+"""Time costs of a pipelined step -- FLOPs per stage, recompute added to backwards, host transfers -- and
+:func:`estimate`, the one prediction of memory and step time every planner uses.
 
 A hardware profile turns FLOPs into seconds (peak FLOP/s x an achieved fraction) and bytes into
 transfer seconds (host link bandwidth). Figures of the cluster profiles are vendors' published peaks
@@ -11,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem._errors import JaxmemError
-from jaxmem.memory._model import forward_flops, stage_counts, stage_residual_bytes
 from jaxmem.schedule import Action, Costs, Kind, Schedule, SimulationResult, simulate
 
 __all__ = [
     "HARDWARE",
+    "Estimate",
     "Hardware",
     "calibrate_cpu",
+    "estimate",
     "get_hardware",
     "simulate_step",
     "state_transfer_seconds",
@@ -94,49 +96,56 @@ def get_hardware(name: str | Hardware) -> Hardware:
 
 
 def step_costs(
-    config, schedule: Schedule, resolved, layer_counts, *, microbatch: int, seq: int, hardware: Hardware
+    model, schedule: Schedule, resolved, layer_counts, *, microbatch: int, seq: int, hardware, facts=None
 ) -> Costs:
     """Costs for :func:`jaxmem.schedule.simulate`, in seconds on ``hardware``.
 
-    F of stage s costs its forward FLOPs; B twice that (I and W once each); the policy's recompute
-    FLOPs are added to B, and to both I and W (each re-runs what it needs from the saved values). The
-    policy's host-resident stash bytes are offloaded after F and prefetched before the backward.
+    F of stage s costs its forward FLOPs; B its backward FLOPs (the forward's twice, plus what the
+    policy recomputes); I and W half the plain backward each, plus the recompute (each re-runs what it
+    needs from the saved values). The policy's host-resident stash bytes are offloaded after F and
+    prefetched before the backward.
     """
+    from jaxmem.memory._facts import model_facts
+    from jaxmem.models import get_model
+    from jaxmem.policy import PRESETS
+
+    model = get_model(model)
+    facts = facts or model_facts(model)
+    hardware = get_hardware(hardware)
     rate = hardware.flops_per_second
-    forward_seconds = [
-        forward_flops(config, layers=layer_counts[s], last=s == schedule.num_stages - 1, seq=seq) * microbatch / rate
-        for s in range(schedule.num_stages)
-    ]
+    last = schedule.num_stages - 1
+    save_all = PRESETS["save-all"].bind(model.tags)
+
+    def stage_facts(stage: int, policy):
+        return facts.stage(
+            first=stage == 0,
+            last=stage == last,
+            layers=layer_counts[stage],
+            policy=policy,
+            microbatch=microbatch,
+            seq=seq,
+        )
+
+    plain = [stage_facts(s, save_all) for s in range(schedule.num_stages)]
+    forward_seconds = [f.forward_flops / rate for f in plain]
+    # The simulator charges B twice the stage weight (I and W once each); what the plain backward
+    # costs beyond that (measured facts: elementwise work) is added like the recompute.
+    excess = [(f.backward_flops - 2 * f.forward_flops - f.recompute_flops) / rate for f in plain]
     cache: dict = {}
 
     def cell(stage: int, mb: int):
         sp = resolved.stage_policy(stage, mb)
         key = (stage, sp)
         if key not in cache:
-            count = stage_counts(
-                config,
-                layers=layer_counts[stage],
-                first=stage == 0,
-                last=stage == schedule.num_stages - 1,
-                seq=seq,
-                policy=sp,
-            )
-            device, host = stage_residual_bytes(
-                config,
-                layers=layer_counts[stage],
-                first=stage == 0,
-                last=stage == schedule.num_stages - 1,
-                microbatch=microbatch,
-                seq=seq,
-                policy=sp,
-            )
-            cache[key] = (count.recompute_flops * microbatch / rate, device, host)
+            f = stage_facts(stage, sp)
+            cache[key] = (f.recompute_flops / rate, f.stash_bytes("device"), f.stash_bytes("host"))
         return cache[key]
 
     def extra(action: Action) -> float:
         if action.kind is Kind.F:
             return 0.0
-        return cell(action.stage, action.microbatch)[0]
+        recompute = cell(action.stage, action.microbatch)[0]
+        return recompute + (excess[action.stage] if action.kind is Kind.B else excess[action.stage] / 2)
 
     any_host = any(
         resolved.stage_policy(s, m).offload or resolved.stage_policy(s, m).offload_stash
@@ -155,32 +164,18 @@ def step_costs(
     )
 
 
-def simulate_step(
-    config, schedule: Schedule, policy, layer_counts, *, microbatch: int, seq: int, hardware: Hardware | str = "h100"
-) -> SimulationResult:
-    """Simulate one step of the schedule under a policy on a hardware profile."""
-    from jaxmem.policy import from_spec
-
-    resolved = from_spec(policy).resolve(schedule)
-    costs = step_costs(
-        config, schedule, resolved, layer_counts, microbatch=microbatch, seq=seq, hardware=get_hardware(hardware)
-    )
-    return simulate(schedule, costs)
-
-
 def state_transfer_seconds(
-    config, schedule: Schedule, resolved, layer_counts, hardware: Hardware, optimizer_moments: int = 2
+    model, schedule: Schedule, resolved, layer_counts, hardware, optimizer_moments: int = 2, facts=None
 ) -> float:
     """Per step and rank, host-link time for offloaded weights (fetched, written back after the update)
     and optimizer state (read and written by the update). Charged in full, as if nothing overlapped
     it (an upper bound; the Chronos-Offload planner places these transfers)."""
-    import numpy as np
+    from jaxmem.memory._facts import model_facts
+    from jaxmem.models import get_model
 
-    from jaxmem.memory._model import param_counts
-
-    block_elems, _ = param_counts(config)
-    itemsize = np.dtype(config.dtype).itemsize
-    stage_bytes = max(max(layer_counts), 1) * block_elems * itemsize
+    facts = facts or model_facts(get_model(model))
+    hardware = get_hardware(hardware)
+    stage_bytes = facts.stage_param_bytes(max(max(layer_counts), 1))
     seconds = 0.0
     for stage in schedule.stages_of(0):
         if resolved.offload_weights(stage):
@@ -190,37 +185,151 @@ def state_transfer_seconds(
     return seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Everything predicted about one configuration, without compiling.
+
+    Attributes:
+        ledger: the predicted memory ledger (None when estimated with ``memory=False``).
+        costs: the per-action costs the simulation used (seconds on the hardware profile).
+        simulation: the schedule simulated with those costs.
+        step_seconds: the simulated makespan plus offloaded-state transfers.
+        state_transfer_seconds: the latter part.
+        tokens_per_second: ``batch * seq / step_seconds``.
+    """
+
+    ledger: object
+    costs: Costs
+    simulation: SimulationResult
+    step_seconds: float
+    state_transfer_seconds: float
+    tokens_per_second: float
+
+    @property
+    def device_bytes(self) -> float:
+        return self.ledger.max_device_bytes
+
+    @property
+    def host_bytes(self) -> float:
+        return max(r.host_bytes for r in self.ledger.ranks)
+
+
+def estimate(
+    model,
+    schedule: Schedule,
+    policy=None,
+    *,
+    batch: int,
+    seq: int,
+    data_parallel: int = 1,
+    layer_counts=None,
+    drop_layers=frozenset(),
+    hardware="h100",
+    facts=None,
+    memory: bool = True,
+) -> Estimate:
+    """Memory and step time of (model, schedule, policy, shape) on a hardware profile: the one
+    prediction the planner, the profiler, the recovery planner and the benchmarks share.
+
+    ``memory=False`` skips the ledger (time only): for schedules one SPMD program cannot run, such as
+    a rerouted pipeline where one rank holds an extra stage.
+
+    >>> from jaxmem.schedule import generate
+    >>> e = estimate("tiny", generate("1f1b", 4, 8), "selective", batch=32, seq=64)
+    >>> e.device_bytes > 0 and e.step_seconds > 0
+    True
+    """
+    from jaxmem.memory._facts import model_facts
+    from jaxmem.memory._ledger import predict
+    from jaxmem.models import get_model
+    from jaxmem.pipeline import split_layers
+    from jaxmem.policy import from_spec
+
+    model = get_model(model)
+    facts = facts or model_facts(model)
+    hardware = get_hardware(hardware)
+    counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
+    ledger = None
+    if memory:
+        ledger = predict(
+            model,
+            schedule,
+            policy,
+            batch=batch,
+            seq=seq,
+            data_parallel=data_parallel,
+            layer_counts=counts,
+            drop_layers=drop_layers,
+            facts=facts,
+        )
+    resolved = from_spec(policy).resolve(schedule, model.tags)
+    mb = batch // (data_parallel * schedule.num_microbatches)
+    active = _active_counts(counts, drop_layers)
+    costs = step_costs(model, schedule, resolved, active, microbatch=mb, seq=seq, hardware=hardware, facts=facts)
+    simulation = simulate(schedule, costs)
+    transfers = state_transfer_seconds(model, schedule, resolved, counts, hardware, facts=facts)
+    step = simulation.makespan + transfers
+    return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step)
+
+
+def _active_counts(counts, drop_layers) -> list[int]:
+    """Layers each stage runs when ``drop_layers`` (global indices) are skipped."""
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [c - sum(1 for i in range(starts[s], starts[s] + c) if i in drop_layers) for s, c in enumerate(counts)]
+
+
+def simulate_step(model, schedule: Schedule, policy, layer_counts, *, microbatch: int, seq: int, hardware="h100"):
+    """Simulate one step of the schedule under a policy on a hardware profile."""
+    return estimate(
+        model,
+        schedule,
+        policy,
+        batch=microbatch * schedule.num_microbatches,
+        seq=seq,
+        layer_counts=layer_counts,
+        hardware=hardware,
+    ).simulation
+
+
 _CALIBRATED: dict[str, Hardware] = {}
 
 
 def calibrate_cpu(steps: int = 5) -> Hardware:
     """Measure this machine: time the tiny GPT's jitted forward+backward on one CPU device and divide
-    its matmul FLOPs by the median step time. Cached per process."""
+    its FLOPs (``cost_analysis()`` of the traced stage, as for any model) by the median step time.
+    Cached per process."""
     if "cpu" in _CALIBRATED:
         return _CALIBRATED["cpu"]
     import time
 
     import jax
     import numpy as np
-    from flax import nnx
 
-    from jaxmem.memory._model import forward_flops
-    from jaxmem.models import GPT, get_config
+    from jaxmem.memory._facts import model_facts
+    from jaxmem.models import get_model, make_batch
+    from jaxmem.policy import PRESETS
 
-    config = get_config("tiny")
-    model = GPT(config, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
-    batch, seq = 32, config.max_seq_len
-    tokens = np.zeros((batch, seq), np.int32)
-    fn = jax.jit(jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(tokens, tokens)))
-    jax.block_until_ready(fn(params))
+    model = get_model("tiny")
+    params = model.init(0)
+    size, seq = 32, model.max_seq_len
+    tokens = np.zeros((size, seq), np.int32)
+    batch = make_batch(tokens, tokens)
+    fn = jax.jit(jax.value_and_grad(model.plain_loss))
+    jax.block_until_ready(fn(params, batch))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        jax.block_until_ready(fn(params))
+        jax.block_until_ready(fn(params, batch))
         times.append(time.perf_counter() - start)
-    flops = 3 * forward_flops(config, layers=config.n_layers, last=True, seq=seq) * batch
-    rate = flops / float(np.median(times))
+    whole = model_facts(model, analytic=False).stage(
+        first=True,
+        last=True,
+        layers=model.n_layers,
+        policy=PRESETS["save-all"].bind(model.tags),
+        microbatch=size,
+        seq=seq,
+    )
+    rate = (whole.forward_flops + whole.backward_flops) / float(np.median(times))
     hw = dataclasses.replace(
         HARDWARE["cpu"],
         peak_flops=rate,

@@ -5,7 +5,9 @@ difference.
 Categories: ``params``, ``grads`` (the step's accumulators), ``optimizer_state``, ``stash`` (residuals
 kept from F to B, device and host), ``transient`` (message buffers, batch, and the working set of
 one tick). Every rank of one SPMD program allocates the same buffers, so ``device_bytes`` is what each
-rank allocates; ``live_stash_bytes`` is what the rank's own schedule needs at its peak.
+rank allocates; ``live_stash_bytes`` is what the rank's own schedule needs at its peak. Predictions
+come from the model's facts (traced residual plans and ``cost_analysis()``, or the GPT's closed form),
+so the ledger works for any :class:`~jaxmem.models.StagedModel`.
 
 On CPU, XLA does not lower host offload: buffers a policy places on host are still counted in the
 compiled ``temp`` size. Offload is therefore proved structurally (host memory space on the residuals
@@ -18,12 +20,32 @@ import dataclasses
 
 import numpy as np
 
-from jaxmem.memory._model import BACKWARD_WORKSET, RECOMPUTE_WORKSET, param_counts, stage_residual_bytes
-from jaxmem.policy import PRESETS, from_spec
+from jaxmem.policy import from_spec
 
-__all__ = ["CATEGORIES", "Bytes", "Ledger", "RankLedger", "compare", "measure", "predict"]
+__all__ = [
+    "BACKWARD_WORKSET",
+    "CATEGORIES",
+    "RECOMPUTE_WORKSET",
+    "Bytes",
+    "Ledger",
+    "RankLedger",
+    "compare",
+    "compiled_bytes",
+    "host_bytes_counted_as_device",
+    "measure",
+    "predict",
+]
 
 CATEGORIES = ("params", "grads", "optimizer_state", "stash", "transient")
+
+# The transient term is the one part of the prediction that is modelled, not derived: one slot-sized
+# value leaving the executor's switch, the message buffers and the batch, plus a per-microbatch working
+# set of the backward proportional to the stage's full activation volume (BACKWARD_WORKSET) and to the
+# recomputed part of it (RECOMPUTE_WORKSET). Both constants were fitted to XLA:CPU's buffer assignment
+# of the tiny GPT (benchmarks/memory.py reports the error for both built-in models); other backends
+# fuse differently.
+BACKWARD_WORKSET = 1.5
+RECOMPUTE_WORKSET = 0.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,23 +104,8 @@ class Ledger:
         }
 
 
-def _setup(config, schedule, policy, batch, seq, data_parallel, layer_counts, drop_layers=frozenset()):
-    from jaxmem.pipeline._split import split_layers
-    from jaxmem.pipeline._ticks import cell_classes
-
-    resolved = from_spec(policy).resolve(schedule)
-    counts = split_layers(config.n_layers, schedule.num_stages, layer_counts)
-    M = schedule.num_microbatches
-    if batch % (data_parallel * M):
-        from jaxmem._errors import JaxmemError
-
-        raise JaxmemError(f"batch {batch} is not divisible by data-parallel ({data_parallel}) x microbatches ({M})")
-    mb = batch // (data_parallel * M)
-    return resolved, counts, mb, cell_classes(schedule, counts, resolved, drop_layers)
-
-
 def predict(
-    config,
+    model,
     schedule,
     policy=None,
     *,
@@ -108,11 +115,12 @@ def predict(
     layer_counts=None,
     optimizer_moments: int = 2,
     drop_layers=frozenset(),
+    facts=None,
 ) -> Ledger:
-    """The analytical ledger: no tracing, no compiling.
+    """The predicted ledger: traced or closed-form facts (:mod:`jaxmem.memory._facts`), no compiling.
 
     Args:
-        config: the model (GPTConfig).
+        model: a StagedModel, preset name or config.
         schedule: any valid schedule.
         policy: a policy spec (save-all when None).
         batch, seq: global batch (sequences) and sequence length.
@@ -120,16 +128,25 @@ def predict(
         layer_counts: layers per stage (balanced when None).
         optimizer_moments: optimizer state per parameter, in parameter-sized arrays (Adam: 2).
         drop_layers: global indices of layers skipped this step (layer drop).
+        facts: the model's facts (default: :func:`model_facts`, cached).
     """
-    from jaxmem.pipeline._ticks import build_tick_program
+    from jaxmem._errors import JaxmemError
+    from jaxmem.memory._facts import model_facts
+    from jaxmem.models import get_model
+    from jaxmem.pipeline import build_tick_program, cell_classes, split_layers
 
-    resolved, counts, mb, cells = _setup(config, schedule, policy, batch, seq, data_parallel, layer_counts, drop_layers)
-    itemsize = np.dtype(config.dtype).itemsize
-    block_elems, shared_elems = param_counts(config)
+    model = get_model(model)
+    facts = facts or model_facts(model)
+    resolved = from_spec(policy).resolve(schedule, model.tags)
+    counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
+    M = schedule.num_microbatches
+    if batch % (data_parallel * M):
+        raise JaxmemError(f"batch {batch} is not divisible by data-parallel ({data_parallel}) x microbatches ({M})")
+    mb = batch // (data_parallel * M)
+    cells = cell_classes(schedule, counts, resolved, drop_layers)
     virtual = schedule.num_stages // schedule.num_ranks
-    max_layers = max(max(counts), 1)
-    stage_bytes = max_layers * block_elems * itemsize  # per local stage, padded to the most loaded stage
-    shared_bytes = shared_elems * itemsize
+    stage_bytes = facts.stage_param_bytes(max(max(counts), 1))  # per local stage, padded to the most loaded
+    shared_bytes = facts.shared_bytes
     weights_host = [resolved.offload_weights(schedule.stages_of(0)[v]) for v in range(virtual)]
     opt_host = [resolved.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(virtual)]
 
@@ -144,35 +161,28 @@ def predict(
         sum(k * stage_bytes for v in range(virtual) if opt_host[v]),
     )
 
-    # Stash: per class, one microbatch's residuals on device / host; buffers and slots as the executor.
+    # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
     class_sizes, full_volume, recomputed = {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
-        sp = resolved.variants[c.variant]
-        dev, host = stage_residual_bytes(
-            config, layers=c.layers - len(c.skip), first=c.first, last=c.last, microbatch=mb, seq=seq, policy=sp
-        )
-        dtype = np.dtype(config.dtype).name
-        class_sizes[c] = {k: v // itemsize for k, v in (((dtype, "device"), dev), ((dtype, "host"), host)) if v}
-        full, _ = stage_residual_bytes(
-            config,
-            layers=c.layers - len(c.skip),
+        stage = facts.stage(
             first=c.first,
             last=c.last,
+            layers=c.layers - len(c.skip),
+            policy=resolved.variants[c.variant],
             microbatch=mb,
             seq=seq,
-            policy=PRESETS["save-all"],
         )
-        full_volume = max(full_volume, full)
-        recomputed = max(recomputed, full - dev - host)
+        class_sizes[c] = dict(stage.stash_elems)
+        full_volume = max(full_volume, stage.full_bytes)
+        recomputed = max(recomputed, stage.full_bytes - stage.stash_bytes())
     tick = build_tick_program(schedule, cells, class_sizes)
     stash_dev, stash_host, live = _arena_bytes(tick)
-    slot_out = sum(w * np.dtype(k[0]).itemsize for k, w in zip(tick.stash_keys, tick.window))
-    message = mb * seq * config.d_model * itemsize
-    messages = (tick.act_slots + 1 + tick.grad_slots + 1) * message
+    slot_out = sum(w * np.dtype(key[0]).itemsize for key, w in zip(tick.stash_keys, tick.window))
+    messages = (tick.act_slots + 1 + tick.grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // data_parallel) * seq * 4
     transient = messages + inputs + slot_out + BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
-    return Ledger("predicted", ranks, _meta(config, schedule, resolved, batch, seq, data_parallel, mb))
+    return Ledger("predicted", ranks, _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source))
 
 
 def _rank_ledgers(num_ranks, params, grads, optimizer, stash, transient, live) -> tuple[RankLedger, ...]:
@@ -202,8 +212,9 @@ def _arena_bytes(tick) -> tuple[float, float, list[float]]:
     return device, host, live
 
 
-def _meta(config, schedule, resolved, batch, seq, data_parallel, mb) -> dict:
-    return {
+def _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts_source=None) -> dict:
+    meta = {
+        "model": model.name,
         "schedule": schedule.name,
         "ranks_count": schedule.num_ranks,
         "stages": schedule.num_stages,
@@ -213,9 +224,11 @@ def _meta(config, schedule, resolved, batch, seq, data_parallel, mb) -> dict:
         "seq_len": seq,
         "microbatch_size": mb,
         "data_parallel": data_parallel,
-        "model_layers": config.n_layers,
-        "d_model": config.d_model,
+        "model_layers": model.n_layers,
     }
+    if facts_source:
+        meta["facts"] = facts_source
+    return meta
 
 
 def _array_bytes(tree) -> Bytes:
@@ -232,29 +245,52 @@ def _array_bytes(tree) -> Bytes:
     return total
 
 
-def measure(trainer, state=None, compiled=None) -> Ledger:
-    """The ledger read from the program: stash from the jaxpr residuals and the tick program, params and
-    optimizer state from the kept arrays' shardings and memory kinds, totals from ``memory_analysis()``
-    of the compiled train step; ``transient`` is what the compiled total leaves for the rest."""
-    import jax
-
-    pipeline = trainer.pipeline
-    config, schedule = trainer.model_config, trainer.schedule
-    batch, seq = trainer.config.batch_size, trainer.config.seq_len
-    state = state or trainer.init_state()
-    compiled = compiled or trainer.lower(state).compile()
+def compiled_bytes(compiled) -> int:
+    """Device bytes of a compiled program: ``memory_analysis()``'s arguments + temporaries + outputs,
+    less what outputs alias from arguments."""
     analysis = compiled.memory_analysis()
-    tick, plans = pipeline.program(batch, seq)
-    params = _array_bytes(state.params)
-    optimizer = _array_bytes(state.opt_state)
-    grads = Bytes(sum(b for b in (params.device, params.host)), 0)
-    stash_dev, stash_host, live = _arena_bytes(tick)
-    total_device = (
+    return int(
         analysis.argument_size_in_bytes
         + analysis.temp_size_in_bytes
         + analysis.output_size_in_bytes
         - analysis.alias_size_in_bytes
     )
+
+
+def host_bytes_counted_as_device(tick, params=None, opt_state=None) -> float:
+    """What XLA:CPU counts as device bytes though the policy places it on host: host-space stash arenas
+    (in its temporaries) and host-kind kept arrays (in its arguments). 0 on other platforms."""
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        return 0.0
+    _, stash_host, _ = _arena_bytes(tick)
+    kept = sum(_array_bytes(tree).host for tree in (params, opt_state) if tree is not None)
+    return stash_host + kept
+
+
+def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
+    """The ledger read from the program: stash from the jaxpr residuals and the tick program, params and
+    optimizer state from the kept arrays' shardings and memory kinds (arrays, or abstract arrays with
+    shardings), totals from ``memory_analysis()`` of the compiled train step; ``transient`` is what the
+    compiled total leaves for the rest.
+
+    Args:
+        pipeline: the :class:`~jaxmem.pipeline.Pipeline` the step runs.
+        compiled: the compiled train step.
+        batch: the batch (dict or spec) it was compiled for.
+        params, opt_state: the state it was compiled for.
+    """
+    import jax
+
+    schedule = pipeline.schedule
+    analysis = compiled.memory_analysis()
+    tick, _ = pipeline.program(batch)
+    param_bytes = _array_bytes(params)
+    optimizer = _array_bytes(opt_state)
+    grads = Bytes(param_bytes.device + param_bytes.host, 0)
+    stash_dev, stash_host, live = _arena_bytes(tick)
+    total_device = compiled_bytes(compiled)
     host_reported = (
         analysis.host_argument_size_in_bytes
         + analysis.host_temp_size_in_bytes
@@ -262,13 +298,15 @@ def measure(trainer, state=None, compiled=None) -> Ledger:
         - analysis.host_alias_size_in_bytes
     )
     platform = jax.devices()[0].platform
-    # XLA:CPU keeps host-space buffers among the device temp and host-kind arrays among the arguments.
-    cpu_host_counted = (stash_host + params.host + optimizer.host) if platform == "cpu" else 0.0
-    accounted = params.device + optimizer.device + grads.device + stash_dev + cpu_host_counted
+    cpu_host_counted = host_bytes_counted_as_device(tick, params, opt_state)
+    accounted = param_bytes.device + optimizer.device + grads.device + stash_dev + cpu_host_counted
     transient = total_device - accounted
-    ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
-    mb = batch // (trainer.config.data_parallel * schedule.num_microbatches)
-    meta = _meta(config, schedule, pipeline.policy, batch, seq, trainer.config.data_parallel, mb)
+    ranks = _rank_ledgers(
+        schedule.num_ranks, param_bytes, grads, optimizer, Bytes(stash_dev, stash_host), transient, live
+    )
+    size, seq = batch["tokens"].shape
+    mb = pipeline.check_batch(batch)
+    meta = _meta(pipeline.model, schedule, pipeline.policy, size, seq, pipeline.data, mb)
     meta.update(
         {
             "platform": platform,

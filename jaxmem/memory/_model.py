@@ -1,22 +1,14 @@
-"""The analytical memory model: bytes per rank and category from the model config, the schedule and
-the policy -- no tracing, no compiling.
+"""The GPT's closed-form figures: residuals and matmul FLOPs of a stage from the config and the policy,
+without tracing -- the fast path of :mod:`jaxmem.memory._facts` for jaxmem's own GPT.
 
-Residuals. For a GPT block we write down, per named activation, its size, what it is computed from,
-and which values the backward needs directly (weight gradients need the matmul inputs, layer norms
-their inputs, softmax its output, GELU its input). Under a name-based ``jax.checkpoint`` policy a
-needed value is kept if its tag is saved (or offloaded), and otherwise recomputed from the values it
-is computed from, recursively, down to saved values or the stage input. That is how JAX's remat
-chooses residuals, and the residual sets this model derives match the jaxpr's (a test checks it).
-
-Buffers. The executor keeps, per rank: parameters (its stages' layers, padded to the most loaded
-stage, plus the replicated embeddings/head), gradient accumulators of the same size, Adam's two
-moments, stash buffers (slots from the schedule's lockstep timing, one slot holds one microbatch's
-residuals of the widest class sharing the buffer), activation/gradient message buffers, and a
-transient working set. The transient term is the one modelled, not derived: one slot-sized value
-leaving the executor's switch, plus a per-microbatch working set of the backward proportional to the
-stage's full activation volume (``BACKWARD_WORKSET``), plus the recomputed part of that volume
-(``RECOMPUTE_WORKSET``). Both constants were fitted to XLA:CPU's buffer assignment of the tiny GPT
-(benchmarks/memory.py reports the error everywhere); other backends fuse differently.
+For a GPT block we write down, per named activation, its size, what it is computed from, and which
+values the backward needs directly (weight gradients need the matmul inputs, layer norms their
+inputs, softmax its output, GELU its input). Under a name-based ``jax.checkpoint`` policy a needed
+value is kept if its tag is saved (or offloaded), and otherwise recomputed from the values it is
+computed from, recursively, down to saved values or the stage input. That is how JAX's remat chooses
+residuals; the residual sets derived here equal the traced ones for every preset and random policies
+(a test checks it). FLOPs count the matmuls only; ``cost_analysis()`` of the traced stage also counts
+elementwise work (5% more on the tiny model, a test bounds the gap).
 """
 
 from __future__ import annotations
@@ -25,18 +17,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxmem.policy import StagePolicy
+from jaxmem.policy import BoundStagePolicy
 
-__all__ = [
-    "forward_flops",
-    "BACKWARD_WORKSET",
-    "RECOMPUTE_WORKSET",
-    "stage_counts",
-    "stage_residual_bytes",
-]
-
-BACKWARD_WORKSET = 1.5
-RECOMPUTE_WORKSET = 0.6
+__all__ = ["forward_flops", "stage_counts", "stage_residual_bytes"]
 
 # value -> (what it is computed from). "in" is the layer input.
 _BLOCK_DEPS = {
@@ -125,7 +108,7 @@ def forward_flops(config, *, layers: int, last: bool, seq: int) -> int:
 
 
 def stage_residual_elements(
-    *, layers: int, first: bool, last: bool, d: int, f: int, heads: int, seq: int, vocab: int, policy: StagePolicy
+    *, layers: int, first: bool, last: bool, d: int, f: int, heads: int, seq: int, vocab: int, policy: BoundStagePolicy
 ) -> ResidualCount:
     """Elements per sequence a stage stashes (device and host) under ``policy``."""
     sizes = _block_sizes(d, f, heads, seq)
@@ -187,7 +170,7 @@ def stage_residual_elements(
     return ResidualCount(device=device, host=host, stage_input=stage_input, recompute_flops=flops)
 
 
-def stage_counts(config, *, layers: int, first: bool, last: bool, seq: int, policy: StagePolicy) -> ResidualCount:
+def stage_counts(config, *, layers: int, first: bool, last: bool, seq: int, policy: BoundStagePolicy) -> ResidualCount:
     """:func:`stage_residual_elements` for a model config."""
     return stage_residual_elements(
         layers=layers,
@@ -203,17 +186,9 @@ def stage_counts(config, *, layers: int, first: bool, last: bool, seq: int, poli
 
 
 def stage_residual_bytes(
-    config, *, layers: int, first: bool, last: bool, microbatch: int, seq: int, policy: StagePolicy
+    config, *, layers: int, first: bool, last: bool, microbatch: int, seq: int, policy: BoundStagePolicy
 ) -> tuple[int, int]:
     """(device, host) bytes one microbatch of a stage stashes."""
     itemsize = np.dtype(config.dtype).itemsize
     count = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=policy)
     return count.device * microbatch * itemsize, count.host * microbatch * itemsize
-
-
-def param_counts(config) -> tuple[int, int]:
-    """(elements per block, elements of the shared embeddings/norm/head)."""
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
-    block = 4 * d + d * 3 * d + 3 * d + d * d + d + d * f + f + f * d + d
-    shared = v * d + config.max_seq_len * d + 2 * d + (0 if config.tied_head else d * v)
-    return block, shared

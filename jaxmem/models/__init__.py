@@ -1,9 +1,23 @@
-"""Models with ``checkpoint_name`` tags on their activations."""
+"""The model interface (:class:`StagedModel`, :func:`from_nnx`) and the built-in models: a GPT and a
+Llama-style decoder in Flax NNX, with ``checkpoint_name`` tags on their activations."""
 
+from jaxmem.models._interface import StagedModel as StagedModel
+from jaxmem.models._interface import batch_positions as batch_positions
+from jaxmem.models._interface import from_nnx as from_nnx
+from jaxmem.models._interface import make_batch as make_batch
+from jaxmem.models._interface import named_softmax as named_softmax
+from jaxmem.models._interface import token_loss as token_loss
+from jaxmem.models._registry import PRESETS as PRESETS
+from jaxmem.models._registry import get_config as get_config
+from jaxmem.models._registry import get_model as get_model
+from jaxmem.models._registry import model_name as model_name
 from jaxmem.models.gpt import GPT as GPT
-from jaxmem.models.gpt import PRESETS as PRESETS
-from jaxmem.models.gpt import TAGS as TAGS
+from jaxmem.models.gpt import GPT_TAGS as GPT_TAGS
 from jaxmem.models.gpt import Block as Block
 from jaxmem.models.gpt import GPTConfig as GPTConfig
 from jaxmem.models.gpt import cross_entropy as cross_entropy
-from jaxmem.models.gpt import get_config as get_config
+from jaxmem.models.gpt import gpt as gpt
+from jaxmem.models.llama import LLAMA_TAGS as LLAMA_TAGS
+from jaxmem.models.llama import Llama as Llama
+from jaxmem.models.llama import LlamaConfig as LlamaConfig
+from jaxmem.models.llama import llama as llama

@@ -1,5 +1,7 @@
-"""A decoder-only transformer in Flax NNX, with ``checkpoint_name`` tags on the activations a memory
-policy may keep, recompute or offload. The model holds no policy: policies wrap its stage functions."""
+"""A decoder-only transformer (GPT-2 style) in Flax NNX, with ``checkpoint_name`` tags on the activations
+a memory policy may keep, recompute or offload. The model holds no policy: policies wrap its stage
+functions. :func:`gpt` makes it a :class:`~jaxmem.models.StagedModel` (with :func:`from_nnx`, as a user
+would), carrying the closed-form figures the ledger's fast path uses."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
+from jaxmem.models._interface import StagedModel, dtype_name, from_nnx, named_softmax, token_loss
+from jaxmem.policy import TagSet
 
-__all__ = ["GPT", "GPTConfig", "HEAD_TAGS", "PRESETS", "TAGS", "Block", "get_config", "cross_entropy"]
+__all__ = ["GPT", "GPTConfig", "GPT_TAGS", "HEAD_TAGS", "PRESETS", "TAGS", "Block", "cross_entropy", "gpt"]
 
 # Named activations of one block, in the order the forward produces them.
 TAGS = (
@@ -30,6 +34,7 @@ TAGS = (
     "block_out",  # the block's output (the residual stream)
 )
 HEAD_TAGS = ("logits",)  # the last stage's output projection, before the softmax
+GPT_TAGS = TagSet(TAGS + HEAD_TAGS, groups=(("quadratic", ("attn_probs",)),))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +49,9 @@ class GPTConfig:
         n_layers: transformer blocks.
         d_ff: MLP hidden width; ``4 * d_model`` when 0.
         tied_head: reuse the token embedding as the output projection (as GPT-2 does).
-        dtype: parameter and activation dtype.
+        dtype: compute dtype of activations (``bfloat16`` for mixed precision).
+        param_dtype: dtype of the parameters, their gradients and the optimizer state (the master
+            weights; ``float32`` by default whatever the compute dtype).
     """
 
     vocab_size: int = 256
@@ -55,6 +62,7 @@ class GPTConfig:
     d_ff: int = 0
     tied_head: bool = False
     dtype: str = "float32"
+    param_dtype: str = "float32"
 
     def __post_init__(self):
         for field in ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_layers"):
@@ -65,6 +73,8 @@ class GPTConfig:
             raise JaxmemError(f"GPTConfig: n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
+        for field in ("dtype", "param_dtype"):
+            object.__setattr__(self, field, dtype_name(getattr(self, field), f"GPTConfig.{field}"))
 
     @property
     def head_dim(self) -> int:
@@ -85,37 +95,21 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def get_config(name: str | GPTConfig, **overrides) -> GPTConfig:
-    """A preset by name (case-insensitive), with field overrides.
-
-    >>> get_config("tiny", n_layers=4).n_layers
-    4
-    """
-    if isinstance(name, GPTConfig):
-        base = name
-    else:
-        key = str(name).strip().lower()
-        if key not in PRESETS:
-            raise JaxmemError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
-        base = PRESETS[key]
-    return dataclasses.replace(base, **overrides) if overrides else base
-
-
 class Block(nnx.Module):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         d, f = config.d_model, config.d_ff
-        dtype = jnp.dtype(config.dtype)
+        kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.param_dtype), "rngs": rngs}
         init = nnx.initializers.normal(0.02)
         proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layers))
         self.n_heads = config.n_heads
-        self.ln1 = nnx.LayerNorm(d, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.proj = nnx.Linear(d, d, kernel_init=proj_init, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(d, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.fc = nnx.Linear(d, f, kernel_init=init, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.out = nnx.Linear(f, d, kernel_init=proj_init, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(d, **kw)
+        self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, **kw)
+        self.proj = nnx.Linear(d, d, kernel_init=proj_init, **kw)
+        self.ln2 = nnx.LayerNorm(d, **kw)
+        self.fc = nnx.Linear(d, f, kernel_init=init, **kw)
+        self.out = nnx.Linear(f, d, kernel_init=proj_init, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, seq, d = x.shape
@@ -128,7 +122,8 @@ class Block(nnx.Module):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
+        # Softmax in float32; its backward reads the tagged probabilities (saved or recomputed by policy).
+        probs = named_softmax(scores, "attn_probs")
         attended = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d), "attn_ctx")
         x = x + checkpoint_name(self.proj(attended), "attn_out")
         h = checkpoint_name(self.ln2(x), "mlp_in")
@@ -139,53 +134,35 @@ class Block(nnx.Module):
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over all positions."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return -jnp.mean(picked)
+    loss_sum, weight = token_loss(logits, {"targets": targets})
+    return loss_sum / weight
 
 
 class GPT(nnx.Module):
     """Decoder-only transformer: token + position embedding, ``n_layers`` blocks, final norm, head.
 
-    >>> model = GPT(get_config("tiny", n_layers=2), rngs=nnx.Rngs(0))
+    >>> model = GPT(GPTConfig(n_layers=2), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((3, 16), jnp.int32)
     >>> model(tokens).shape
     (3, 16, 256)
     """
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(config.dtype)
+        kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.param_dtype), "rngs": rngs}
         init = nnx.initializers.normal(0.02)
         self.config = config
-        self.wte = nnx.Embed(
-            config.vocab_size, config.d_model, embedding_init=init, dtype=dtype, param_dtype=dtype, rngs=rngs
-        )
-        self.wpe = nnx.Embed(
-            config.max_seq_len,
-            config.d_model,
-            embedding_init=nnx.initializers.normal(0.01),
-            dtype=dtype,
-            param_dtype=dtype,
-            rngs=rngs,
-        )
+        self.wte = nnx.Embed(config.vocab_size, config.d_model, embedding_init=init, **kw)
+        self.wpe = nnx.Embed(config.max_seq_len, config.d_model, embedding_init=nnx.initializers.normal(0.01), **kw)
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
-        self.ln_f = nnx.LayerNorm(config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(config.d_model, **kw)
         if not config.tied_head:
-            self.head = nnx.Linear(
-                config.d_model,
-                config.vocab_size,
-                use_bias=False,
-                kernel_init=init,
-                dtype=dtype,
-                param_dtype=dtype,
-                rngs=rngs,
-            )
+            self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, kernel_init=init, **kw)
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         seq = tokens.shape[-1]
         if seq > self.config.max_seq_len:
             raise JaxmemError(f"sequence length {seq} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        return self.wte(tokens) + self.wpe(jnp.arange(seq))
+        return self.wte(tokens) + self.wpe(jnp.arange(seq) if positions is None else positions)
 
     def logits(self, x: jax.Array) -> jax.Array:
         h = self.ln_f(x)
@@ -200,3 +177,41 @@ class GPT(nnx.Module):
 
     def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return cross_entropy(self(tokens), targets)
+
+
+def gpt(config: GPTConfig, name: str = "gpt") -> StagedModel:
+    """The GPT as a :class:`~jaxmem.models.StagedModel`: built with :func:`from_nnx` like any user
+    model, plus its closed-form figures (``analytic``) for the ledger's fast path.
+
+    >>> from jaxmem.models import get_config
+    >>> model = gpt(get_config("tiny"), "tiny")
+    >>> model.n_layers, model.tags.group("quadratic")
+    (8, frozenset({'attn_probs'}))
+    """
+
+    def embed(module, batch):
+        return module.embed(batch["tokens"], batch.get("positions"))
+
+    def head_loss(module, x, batch):
+        return token_loss(module.logits(x), batch)
+
+    def loss(module, batch):
+        x = module.embed(batch["tokens"], batch.get("positions"))
+        for block in module.blocks:
+            x = block(x)
+        loss_sum, weight = token_loss(module.logits(x), batch)
+        return loss_sum / weight
+
+    return from_nnx(
+        lambda rngs: GPT(config, rngs=rngs),
+        layers="blocks",
+        embed=embed,
+        head_loss=head_loss,
+        tags=GPT_TAGS,
+        loss=loss,
+        name=name,
+        vocab_size=config.vocab_size,
+        max_seq_len=config.max_seq_len,
+        config=config,
+        analytic=config,
+    )

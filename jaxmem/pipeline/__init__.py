@@ -1,10 +1,15 @@
-"""The shard_map executor and the stage split of a Flax GPT."""
+"""The shard_map executor, the stage split of a model, and the residual analysis of a stage."""
 
 from jaxmem.pipeline._executor import Pipeline as Pipeline
 from jaxmem.pipeline._executor import PipelineParams as PipelineParams
+from jaxmem.pipeline._executor import batch_spec as batch_spec
 from jaxmem.pipeline._executor import make_mesh as make_mesh
-from jaxmem.pipeline._split import GPTPieces as GPTPieces
+from jaxmem.pipeline._residuals import ResidualPlan as ResidualPlan
+from jaxmem.pipeline._residuals import analyze_stage as analyze_stage
+from jaxmem.pipeline._residuals import emitted_tags as emitted_tags
 from jaxmem.pipeline._split import split_layers as split_layers
+from jaxmem.pipeline._split import stage_forward as stage_forward
 from jaxmem.pipeline._ticks import StageClass as StageClass
 from jaxmem.pipeline._ticks import TickProgram as TickProgram
 from jaxmem.pipeline._ticks import build_tick_program as build_tick_program
+from jaxmem.pipeline._ticks import cell_classes as cell_classes

@@ -1,12 +1,16 @@
-"""The pipelined gradient: any validated schedule, run as ONE ``jax.jit(shard_map(...))`` program.
+"""The pipelined gradient: any model, any validated schedule, run as ONE ``jax.jit(shard_map(...))``
+program.
 
 Inside ``shard_map`` over a ``("data", "pipe")`` mesh, a ``lax.scan`` walks the schedule's ticks. Each
 tick, every rank looks up its row of the tick table and runs one branch of a ``lax.switch``: idle, or
 F / B / I / W of one stage class (role, layer count, memory-policy variant, local stage). A forward
 keeps its ``jax.vjp`` residuals in a stash slot (on host when the policy says so); a backward rebuilds
 the pullback from that slot. Every tick each rank sends one message per ppermute offset (activations
-forward, gradients backward). Gradients accumulate across microbatches; after the scan they are
-averaged over ``data``, and the shared (embedding/head) gradients summed over ``pipe``.
+forward, gradients backward); a message is whatever pytree the model's layers pass on, with shapes
+and dtypes from ``jax.eval_shape`` of its embedding. The last stage adds up ``(loss_sum, weight)``;
+gradients accumulate in the parameters' dtype, are summed over ``data`` (and the shared ones over
+``pipe``) and divided by the total weight, so the result is the gradient of the mean loss over the
+counted tokens of the whole batch, however it is microbatched or masked.
 """
 
 from __future__ import annotations
@@ -21,14 +25,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models.gpt import GPT, GPTConfig
-from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage
-from jaxmem.pipeline._split import GPTPieces, split_layers, stack_stage_params, unstack_stage_params
+from jaxmem.models import StagedModel
+from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
+from jaxmem.pipeline._split import split_layers, stack_stage_params, stage_forward, unstack_stage_params
 from jaxmem.pipeline._ticks import COLUMNS, StageClass, TickProgram, build_tick_program, cell_classes
 from jaxmem.policy import ResolvedPolicy, from_spec
 from jaxmem.schedule import Kind, Schedule, validate
 
-__all__ = ["Pipeline", "PipelineParams", "make_mesh", "varying_axes"]
+__all__ = ["Pipeline", "PipelineParams", "batch_spec", "make_mesh", "varying_axes"]
 
 AXES = ("data", "pipe")
 HOST = "pinned_host"
@@ -60,7 +64,8 @@ class PipelineParams:
     Attributes:
         stages: one dict per local stage position ``v``; leaves ``[ranks, max layers, ...]`` sharded
             over ``pipe`` on the first axis (rank r's v-th stage).
-        shared: embeddings, final norm and head; replicated (the first and last stages use them).
+        shared: the model's parameters outside its layers (embeddings, final norm, head); replicated
+            (the first and last stages use them).
     """
 
     stages: tuple
@@ -69,7 +74,7 @@ class PipelineParams:
 
 def varying_axes(x) -> frozenset:
     """The mesh axes along which ``x`` varies inside ``shard_map`` (jax 0.10 spells it ``mat.varying``)."""
-    aval = jax.typeof(x)
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
@@ -81,6 +86,12 @@ def _vary(x: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _vary_like(x: jax.Array, aval) -> jax.Array:
+    """Mark ``x`` as varying over the mesh axes ``aval`` varies over."""
+    axes = tuple(a for a in AXES if a in varying_axes(aval) and a not in varying_axes(x))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
 def _vary_tree(tree):
     return jax.tree.map(_vary, tree)
 
@@ -89,30 +100,52 @@ def _to_device(tree):
     return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), tree)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    batch: int
-    seq: int
+def batch_spec(batch: int, seq: int, *, loss_mask: bool = False, positions: bool = False) -> dict:
+    """The abstract batch dict a pipeline is built for: ``tokens``/``targets`` int32 ``[batch, seq]``,
+    optionally a float32 ``loss_mask`` and int32 ``positions`` of the same shape."""
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    spec = {"tokens": tokens, "targets": tokens}
+    if loss_mask:
+        spec["loss_mask"] = jax.ShapeDtypeStruct((batch, seq), jnp.float32)
+    if positions:
+        spec["positions"] = tokens
+    return spec
+
+
+def _spec_of(batch) -> dict:
+    """Abstract batch (shapes and dtypes only) of a batch of arrays or of shaped values."""
+    if not isinstance(batch, dict) or "tokens" not in batch or "targets" not in batch:
+        raise JaxmemError(
+            "a batch is a dict with 'tokens' and 'targets' (and optionally 'loss_mask', 'positions'), "
+            f"got {type(batch).__name__}{'' if not isinstance(batch, dict) else ' with keys ' + str(sorted(batch))}"
+        )
+    return {k: jax.ShapeDtypeStruct(tuple(v.shape), jnp.dtype(v.dtype)) for k, v in batch.items()}
+
+
+def _key(spec: dict) -> tuple:
+    return tuple(sorted((k, v.shape, v.dtype.name) for k, v in spec.items()))
 
 
 class Pipeline:
-    """A GPT cut into stages and run by a schedule on a mesh, under a memory policy.
+    """A model cut into stages and run by a schedule on a mesh, under a memory policy.
 
     Args:
-        config: the model.
+        model: a :class:`~jaxmem.models.StagedModel` (or a preset name / config, see
+            :func:`jaxmem.models.get_model`).
         schedule: any valid schedule.
         mesh: axes ``("data", "pipe")``; ``pipe`` must equal the schedule's ranks.
         layer_counts: layers per stage (balanced when omitted).
-        policy: a memory policy spec (see :func:`jaxmem.policy.from_spec`); ``save-all`` by default.
+        policy: a memory policy spec (see :func:`jaxmem.policy.from_spec`), resolved against the
+            model's declared tags; ``save-all`` by default.
         drop_layers: global indices of layers skipped (layer drop: a different program per set).
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
-    step (see ``examples/train_flax.py``).
+    step (see ``examples/train_own_model.py``).
     """
 
     def __init__(
         self,
-        config: GPTConfig,
+        model,
         schedule: Schedule,
         mesh: Mesh,
         *,
@@ -120,6 +153,8 @@ class Pipeline:
         policy=None,
         drop_layers: frozenset[int] = frozenset(),
     ):
+        from jaxmem.models import get_model
+
         validate(schedule)
         if tuple(mesh.axis_names) != AXES:
             raise JaxmemError(f"the mesh axes must be {AXES}, got {tuple(mesh.axis_names)}")
@@ -131,25 +166,33 @@ class Pipeline:
         per_rank = {len(schedule.stages_of(r)) for r in range(schedule.num_ranks)}
         if len(per_rank) != 1:
             raise JaxmemError("every rank must own the same number of stages (one SPMD program)")
-        self.config = config
+        self.model: StagedModel = get_model(model)
         self.schedule = schedule
         self.mesh = mesh
-        self.layer_counts = split_layers(config.n_layers, schedule.num_stages, layer_counts)
-        self.pieces = GPTPieces.create(config)
-        self.policy: ResolvedPolicy = from_spec(policy).resolve(schedule)
+        self.layer_counts = split_layers(self.model.n_layers, schedule.num_stages, layer_counts)
+        self.policy: ResolvedPolicy = from_spec(policy).resolve(schedule, self.model.tags)
         self.virtual = per_rank.pop()
         self.drop_layers = frozenset(drop_layers)
+        bad_drop = sorted(i for i in self.drop_layers if not 0 <= i < self.model.n_layers)
+        if bad_drop:
+            raise JaxmemError(f"dropped layers {bad_drop} are outside the model's layers 0..{self.model.n_layers - 1}")
         self.cell_classes = cell_classes(schedule, self.layer_counts, self.policy, self.drop_layers)
         # Weights on host per local position (the policy checked this is consistent across ranks).
         self.weights_on_host = tuple(self.policy.offload_weights(schedule.stages_of(0)[v]) for v in range(self.virtual))
         self.optimizer_state_on_host = tuple(
             self.policy.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(self.virtual)
         )
-        self._programs: dict[_Shape, tuple[TickProgram, dict]] = {}
-        self._grad_fns: dict[_Shape, object] = {}
-        self._jitted: dict[_Shape, object] = {}
+        self._programs: dict[tuple, tuple[TickProgram, dict]] = {}
+        self._grad_fns: dict[tuple, object] = {}
+        self._jitted: dict[tuple, object] = {}
+        self._tags_checked = False
 
     # ------------------------------------------------------------------ parameters
+    @property
+    def config(self):
+        """The model's own configuration (e.g. a GPTConfig)."""
+        return self.model.config
+
     @property
     def data(self) -> int:
         return self.mesh.shape["data"]
@@ -158,13 +201,8 @@ class Pipeline:
     def pipe(self) -> int:
         return self.mesh.shape["pipe"]
 
-    def _abstract_model_params(self) -> dict:
-        from flax import nnx
-
-        return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(self.config, rngs=nnx.Rngs(0)))))
-
     def abstract_params(self) -> PipelineParams:
-        return jax.eval_shape(self.from_model_params, self._abstract_model_params())
+        return jax.eval_shape(self.from_model_params, self.model.abstract_params())
 
     def shardings(self, on_host: Sequence[bool] | None = None) -> PipelineParams:
         """Target shardings: stage parameters split over ``pipe``, shared ones replicated.
@@ -184,87 +222,154 @@ class Pipeline:
         replicated = NamedSharding(self.mesh, P())
         return PipelineParams(stages=stages, shared=jax.tree.map(lambda _: replicated, abstract.shared))
 
-    def from_model_params(self, params: dict) -> PipelineParams:
-        """A model's parameter dict (``nnx.to_pure_dict(nnx.state(model))``) -> pipeline layout."""
-        blocks, shared = GPTPieces.split_model_params(params)
-        stages = stack_stage_params(blocks, self.layer_counts, self.schedule.stage_to_rank)
+    def from_model_params(self, params) -> PipelineParams:
+        """The model's own parameter tree (e.g. ``nnx.to_pure_dict(nnx.state(module, nnx.Param))``) ->
+        pipeline layout."""
+        layers, shared = self.model.split(params)
+        if len(layers) != self.model.n_layers:
+            raise JaxmemError(
+                f"the parameters hold {len(layers)} layers; model {self.model.name} has {self.model.n_layers}"
+            )
+        stages = stack_stage_params(layers, self.layer_counts, self.schedule.stage_to_rank)
         return PipelineParams(stages=stages, shared=shared)
 
-    def to_model_params(self, params: PipelineParams) -> dict:
-        """Pipeline layout -> the model's parameter dict (e.g. to compare with ``jax.grad``)."""
-        blocks = unstack_stage_params(params.stages, self.layer_counts, self.schedule.stage_to_rank)
-        return GPTPieces.join_model_params(blocks, params.shared)
+    def to_model_params(self, params: PipelineParams):
+        """Pipeline layout -> the model's parameter tree (e.g. to compare with ``jax.grad``)."""
+        layers = unstack_stage_params(params.stages, self.layer_counts, self.schedule.stage_to_rank)
+        return self.model.join(layers, params.shared)
 
     def place(self, params: PipelineParams) -> PipelineParams:
         """Put parameters on the mesh with their target shardings."""
         return jax.device_put(params, self.shardings())
 
     # ------------------------------------------------------------------ checks
-    def check_batch(self, batch: int, seq: int) -> int:
-        """Microbatch size for a global batch; raises with values that would work otherwise."""
+    def check_batch(self, batch, seq: int | None = None) -> int:
+        """Microbatch size for a batch (a batch dict or spec, or a batch size with ``seq``); raises with
+        values that would work otherwise."""
+        spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
+        size, seq = spec["tokens"].shape[0], spec["tokens"].shape[-1]
+        for key, leaf in spec.items():
+            if not leaf.shape or leaf.shape[0] != size:
+                raise JaxmemError(
+                    f"batch[{key!r}] has shape {leaf.shape}; every batch leaf must lead with the batch size {size}"
+                )
         M, D = self.schedule.num_microbatches, self.data
-        if batch % (D * M):
+        if size % (D * M):
             ok = [D * M * k for k in range(1, 5)]
             raise JaxmemError(
-                f"batch size {batch} is not divisible by data-parallel ({D}) x microbatches ({M}) = "
+                f"batch size {size} is not divisible by data-parallel ({D}) x microbatches ({M}) = "
                 f"{D * M}; use a batch size in {ok}, ..."
             )
-        if seq > self.config.max_seq_len:
-            raise JaxmemError(f"sequence length {seq} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        return batch // (D * M)
+        self.model.check_batch(seq)
+        return size // (D * M)
 
     # ------------------------------------------------------------------ the program
-    def stage_fn(self, c: StageClass):
+    def stage_fn(self, c: StageClass, *, checkpointed: bool = True):
         """The stage function of a class, wrapped in its policy's ``jax.checkpoint``."""
-        fn = self.pieces.stage_forward(c.first, c.last, c.layers, c.skip)
-        return self.policy.variants[c.variant].wrap(fn)
+        fn = stage_forward(self.model, first=c.first, last=c.last, layers=c.layers, skip=c.skip)
+        return self.policy.variants[c.variant].wrap(fn) if checkpointed else fn
 
     def _stash_to_host(self, c: StageClass) -> bool:
         return self.policy.variants[c.variant].offload_stash
 
-    def residual_plans(self, batch: int, seq: int) -> dict[StageClass, ResidualPlan]:
-        """Per class, its residuals for one microbatch (traced abstractly, nothing compiled)."""
-        mb = self.check_batch(batch, seq)
+    def microbatch_spec(self, batch) -> dict:
+        """One microbatch of a batch (dict or spec), abstract."""
+        spec = _spec_of(batch)
+        mb = self.check_batch(spec)
+        return {k: jax.ShapeDtypeStruct((mb, *v.shape[1:]), v.dtype) for k, v in spec.items()}
+
+    def compute_dtype(self, batch) -> np.dtype:
+        """The narrowest floating dtype the stages pass on (the compute dtype: bfloat16 under mixed
+        precision)."""
+        return min((jnp.dtype(a.dtype) for a in jax.tree.leaves(self.message_spec(batch))), key=lambda d: d.itemsize)
+
+    def param_dtype(self) -> np.dtype:
+        """The narrowest dtype of the parameters (what gradients and optimizer state are kept in)."""
+        return min(
+            (jnp.dtype(a.dtype) for a in jax.tree.leaves(self.model.abstract_params())), key=lambda d: d.itemsize
+        )
+
+    def message_spec(self, batch):
+        """What one stage sends the next for a batch: the model's embedding output, abstract."""
+        shared = self.abstract_params().shared
+        return jax.eval_shape(self.model.embed, shared, self.microbatch_spec(batch))
+
+    def _check_tags(self, abstract: PipelineParams, message, micro) -> None:
+        """Every tag the model's stage functions emit must be declared (a policy would silently
+        recompute an undeclared one)."""
+        if self._tags_checked:
+            return
+        declared = set(self.model.tags.names)
+        for c in dict.fromkeys(self.cell_classes.values()):
+            stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract.stages[c.local])
+            emitted = emitted_tags(self.stage_fn(c, checkpointed=False), stage, abstract.shared, message, micro)
+            undeclared = sorted(emitted - declared)
+            if undeclared:
+                raise JaxmemError(
+                    f"model {self.model.name} emits checkpoint_name tags it does not declare: {undeclared}; "
+                    f"declared: {self.model.tags.describe()}. Add them to the model's tags (a policy cannot "
+                    "decide for a tag it does not know, and would recompute it silently)"
+                )
+        self._tags_checked = True
+
+    def residual_plans(self, batch, seq: int | None = None) -> dict[StageClass, ResidualPlan]:
+        """Per class, its residuals for one microbatch (traced abstractly, nothing compiled).
+
+        ``batch``: a batch dict or spec, or a batch size with ``seq``."""
+        spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
+        micro = self.microbatch_spec(spec)
         abstract = self.abstract_params()
-        dtype = jnp.dtype(self.config.dtype)
-        x = jax.ShapeDtypeStruct((mb, seq, self.config.d_model), dtype)
-        tok = jax.ShapeDtypeStruct((mb, seq), jnp.int32)
+        message = jax.eval_shape(self.model.embed, abstract.shared, micro)
+        bad = [a for a in jax.tree.leaves(message) if not jnp.issubdtype(a.dtype, jnp.floating)]
+        if bad:
+            raise JaxmemError(
+                f"model {self.model.name}: what the embedding passes on must be floating arrays (they carry "
+                f"gradients between stages); got {[str(a.dtype) for a in bad]}"
+            )
+        self._check_tags(abstract, message, micro)
         plans = {}
         for c in dict.fromkeys(self.cell_classes.values()):
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract.stages[c.local])
-            plans[c] = analyze_stage(
-                self.stage_fn(c), stage, abstract.shared, x, tok, tok, stash_to_host=self._stash_to_host(c)
+            plan = analyze_stage(
+                self.stage_fn(c), stage, abstract.shared, message, micro, stash_to_host=self._stash_to_host(c)
             )
+            _check_output(self.model, c, plan, message)
+            plans[c] = plan
         return plans
 
-    def program(self, batch: int, seq: int) -> tuple[TickProgram, dict[StageClass, ResidualPlan]]:
-        """The tick program and per-class residual plans for a global batch shape (cached)."""
-        shape = _Shape(batch, seq)
-        if shape not in self._programs:
-            plans = self.residual_plans(batch, seq)
+    def program(self, batch, seq: int | None = None) -> tuple[TickProgram, dict[StageClass, ResidualPlan]]:
+        """The tick program and per-class residual plans for a batch (dict or spec, or a batch size
+        with ``seq``), cached per batch structure."""
+        spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
+        key = _key(spec)
+        if key not in self._programs:
+            plans = self.residual_plans(spec)
             tick = build_tick_program(self.schedule, self.cell_classes, {c: p.stash_elems for c, p in plans.items()})
-            self._programs[shape] = (tick, plans)
-        return self._programs[shape]
+            self._programs[key] = (tick, plans)
+        return self._programs[key]
 
-    def grad_fn(self, batch: int, seq: int):
-        """``fn(params, tokens, targets) -> (loss, grads)``, not jitted (use inside a jitted step)."""
-        shape = _Shape(batch, seq)
-        if shape not in self._grad_fns:
-            self._grad_fns[shape] = self._build_grad_fn(shape)
-        return self._grad_fns[shape]
+    def grad_fn(self, batch, seq: int | None = None):
+        """``fn(params, batch) -> (loss, grads)`` for batches like ``batch`` (a batch dict or spec,
+        or a batch size with ``seq`` for tokens and targets only); not jitted (use it inside a jitted
+        step)."""
+        spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
+        key = _key(spec)
+        if key not in self._grad_fns:
+            self._grad_fns[key] = self._build_grad_fn(spec)
+        return self._grad_fns[key]
 
-    def value_and_grad(self, params: PipelineParams, tokens: jax.Array, targets: jax.Array):
-        """Loss and gradients of the mean next-token loss, jitted (one compile per batch shape)."""
-        shape = _Shape(*tokens.shape)
-        if shape not in self._jitted:
-            self._jitted[shape] = jax.jit(self.grad_fn(*tokens.shape))
-        return self._jitted[shape](params, tokens, targets)
+    def value_and_grad(self, params: PipelineParams, batch: dict):
+        """Loss and gradients of the mean loss over the batch's counted tokens, jitted (one compile
+        per batch structure)."""
+        key = _key(_spec_of(batch))
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(self.grad_fn(batch))
+        return self._jitted[key](params, batch)
 
-    def _build_grad_fn(self, shape: _Shape):
-        tick, abstract_plans = self.program(shape.batch, shape.seq)
+    def _build_grad_fn(self, spec: dict):
+        tick, _ = self.program(spec)
         M = self.schedule.num_microbatches
-        mb = self.check_batch(shape.batch, shape.seq)
-        d_model, dtype = self.config.d_model, jnp.dtype(self.config.dtype)
+        mb = self.check_batch(spec)
         classes, pipe_size = tick.classes, self.pipe
         col = {name: i for i, name in enumerate(COLUMNS)}
         keys, windows = tick.stash_keys, tick.window
@@ -276,18 +381,23 @@ class Pipeline:
             )
         table = jnp.asarray(tick.table.astype(np.int32))
         weights_on_host = self.weights_on_host
+        message_spec = self.message_spec(spec)
+        # The cotangent of every microbatch's loss_sum: 1 / (the global batch's target count), so that
+        # unmasked gradients come out exactly as the mean loss's; masked ones are rescaled at the end.
+        tokens_global = int(np.prod(spec["targets"].shape))
+        ct_scale = 1.0 / tokens_global
 
-        def body(stage_params, shared, tokens, targets, table_local):
+        def body(stage_params, shared, batch, table_local):
             stage_params = tuple(_vary_tree(jax.tree.map(lambda a: a[0], tree)) for tree in stage_params)
             shared = _vary_tree(shared)
-            tokens = _vary(tokens.reshape(M, mb, shape.seq))
-            targets = _vary(targets.reshape(M, mb, shape.seq))
-            x_like = _vary(jnp.zeros((mb, shape.seq, d_model), dtype))
-            zero_loss = _vary(jnp.zeros((), jnp.float32))
+            batch = jax.tree.map(lambda a: _vary(a.reshape(M, mb, *a.shape[1:])), batch)
+            x_like = jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), message_spec)
+            zero = _vary(jnp.zeros((), jnp.float32))
 
             def device_params(v):
                 return _to_device(stage_params[v]) if weights_on_host[v] else stage_params[v]
 
+            first_mb = jax.tree.map(lambda a: a[0], batch)
             # Trace the residual plans again here, with this program's (varying) types.
             plans = [
                 analyze_stage(
@@ -295,8 +405,7 @@ class Pipeline:
                     device_params(c.local),
                     shared,
                     x_like,
-                    tokens[0],
-                    targets[0],
+                    first_mb,
                     stash_to_host=self._stash_to_host(c),
                 )
                 for c in classes
@@ -316,16 +425,16 @@ class Pipeline:
             # packed residuals padded to the arena's window, with their true length; the write happens
             # outside the switch as a scatter that drops everything past that length, so a smaller
             # item never clobbers its neighbours and the arena needs no padding.
-            def idle(arenas, offs, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
-                return (x_like, *no_write(), grads, shared_grads, loss_sum)
+            def idle(arenas, offs, grads, shared_grads, totals, x_in, g_in, micro):
+                return (x_like, *no_write(), grads, shared_grads, totals)
 
             def make_branch(class_index: int, kind: Kind):
                 c, plan = classes[class_index], plans[class_index]
 
-                def branch(arenas, offs, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt):
+                def branch(arenas, offs, grads, shared_grads, totals, x_in, g_in, micro):
                     params = device_params(c.local)
                     if kind is Kind.F:
-                        out, packed = plan.forward(params, shared, x_in, tok, tgt)
+                        out, packed = plan.forward(params, shared, x_in, micro)
                         windows_out, lengths = [], []
                         for key, w in zip(keys, windows):
                             vec = packed.get(key)
@@ -339,39 +448,55 @@ class Pipeline:
                                 else (vec if n == w else jnp.concatenate([vec, _vary(zeros)]))
                             )
                             lengths.append(_vary(jnp.asarray(n, jnp.int32)))
-                        loss = loss_sum + _vary(out) if c.last else loss_sum
-                        message = x_like if c.last else _vary(out)
-                        return (message, tuple(windows_out), tuple(lengths), grads, shared_grads, loss)
+                        if c.last:
+                            loss_sum, weight = out
+                            totals = (totals[0] + _vary(loss_sum), totals[1] + _vary(weight))
+                            message = x_like
+                        else:
+                            message = _vary_tree(out)
+                        return (message, tuple(windows_out), tuple(lengths), grads, shared_grads, totals)
                     current = {
                         key: jax.lax.dynamic_slice_in_dim(arena, off, plan.stash_elems[key])
                         for key, arena, off in zip(keys, arenas, offs)
                         if key in plan.stash_elems
                     }
-                    pullback = plan.pullback(params, shared, x_like, tok, tgt, current)
-                    ct = _vary(jnp.full(plan.out_aval.shape, 1.0 / M, plan.out_aval.dtype)) if c.last else g_in
+                    pullback = plan.pullback(params, shared, x_like, micro, current)
+                    if c.last:
+                        # Typed like the outputs (a constant weight varies over no mesh axis).
+                        loss_aval, weight_aval = plan.out_avals
+                        ct = (
+                            _vary_like(jnp.full(loss_aval.shape, ct_scale, loss_aval.dtype), loss_aval),
+                            _vary_like(jnp.zeros(weight_aval.shape, weight_aval.dtype), weight_aval),
+                        )
+                    else:
+                        ct = g_in
                     d_params, d_shared, d_x = pullback(ct)
-                    message = x_like if c.first or kind is Kind.W else _vary(d_x)
+                    message = x_like if c.first or kind is Kind.W else _vary_tree(d_x)
                     if kind is not Kind.I:
                         grads = list(grads)
                         grads[c.local] = jax.tree.map(lambda acc, d: acc + _vary(d), grads[c.local], d_params)
                         grads = tuple(grads)
                         shared_grads = jax.tree.map(lambda acc, d: acc + _vary(d), shared_grads, d_shared)
-                    return (message, *no_write(), grads, shared_grads, loss_sum)
+                    return (message, *no_write(), grads, shared_grads, totals)
 
                 return branch
 
             branches = [idle] + [make_branch(ci, kind) for ci, kind in tick.branches]
 
+            def read(buffers, slot):
+                return jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), buffers)
+
+            def write(buffers, value, slot):
+                return jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, slot, 0), buffers, value)
+
             def tick_step(carry, row):
-                act_buf, grad_buf, arenas, grads, shared_grads, loss_sum = carry
-                m = row[col["microbatch"]]
-                tok = jax.lax.dynamic_index_in_dim(tokens, m, 0, keepdims=False)
-                tgt = jax.lax.dynamic_index_in_dim(targets, m, 0, keepdims=False)
-                x_in = jax.lax.dynamic_index_in_dim(act_buf, row[col["act_in"]], 0, keepdims=False)
-                g_in = jax.lax.dynamic_index_in_dim(grad_buf, row[col["grad_in"]], 0, keepdims=False)
+                act_buf, grad_buf, arenas, grads, shared_grads, totals = carry
+                micro = read(batch, row[col["microbatch"]])
+                x_in = read(act_buf, row[col["act_in"]])
+                g_in = read(grad_buf, row[col["grad_in"]])
                 offs = tuple(row[c] for c in stash_cols)
-                message, windows_out, lengths, grads, shared_grads, loss_sum = jax.lax.switch(
-                    row[col["branch"]], branches, arenas, offs, grads, shared_grads, loss_sum, x_in, g_in, tok, tgt
+                message, windows_out, lengths, grads, shared_grads, totals = jax.lax.switch(
+                    row[col["branch"]], branches, arenas, offs, grads, shared_grads, totals, x_in, g_in, micro
                 )
                 new_arenas = []
                 for arena, values, off, length in zip(arenas, windows_out, offs, lengths):
@@ -381,46 +506,82 @@ class Pipeline:
                         arena.at[index].set(values, mode="drop", indices_are_sorted=True, unique_indices=True)
                     )
                 arenas = tuple(new_arenas)
-                act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, message, row[col["local_act"]], 0)
-                grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, message, row[col["local_grad"]], 0)
+                act_buf = write(act_buf, message, row[col["local_act"]])
+                grad_buf = write(grad_buf, message, row[col["local_grad"]])
                 for k, offset in enumerate(tick.offsets):
-                    outgoing = jnp.where(row[col["send"]] == k, message, jnp.zeros_like(message))
+                    sending = row[col["send"]] == k
+                    outgoing = jax.tree.map(lambda m, s=sending: jnp.where(s, m, jnp.zeros_like(m)), message)
                     perm = [(r, (r + offset) % pipe_size) for r in range(pipe_size)]
-                    incoming = jax.lax.ppermute(outgoing, "pipe", perm)
+                    incoming = jax.tree.map(lambda m, p=perm: jax.lax.ppermute(m, "pipe", p), outgoing)
                     act_col, grad_col = tick.recv_columns(k)
-                    act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, incoming, row[act_col], 0)
-                    grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, incoming, row[grad_col], 0)
-                return (act_buf, grad_buf, arenas, grads, shared_grads, loss_sum), None
+                    act_buf = write(act_buf, incoming, row[act_col])
+                    grad_buf = write(grad_buf, incoming, row[grad_col])
+                return (act_buf, grad_buf, arenas, grads, shared_grads, totals), None
 
             def arena_buffer(key, length):
                 dtype_name, space = key
                 buf = _vary(jnp.zeros((length,), jnp.dtype(dtype_name)))
                 return jax.device_put(buf, jax.memory.Space.Host) if space == "host" else buf
 
+            def message_buffer(slots):
+                return jax.tree.map(lambda a: _vary(jnp.zeros((slots + 1, *a.shape), a.dtype)), message_spec)
+
             carry = (
-                _vary(jnp.zeros((tick.act_slots + 1, mb, shape.seq, d_model), dtype)),
-                _vary(jnp.zeros((tick.grad_slots + 1, mb, shape.seq, d_model), dtype)),
+                message_buffer(tick.act_slots),
+                message_buffer(tick.grad_slots),
                 tuple(arena_buffer(k, n) for k, n in zip(keys, tick.arena_elems)),
                 tuple(jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), t) for t in stage_params),
                 jax.tree.map(jnp.zeros_like, shared),
-                zero_loss,
+                (zero, zero),
             )
             carry, _ = jax.lax.scan(tick_step, carry, table_local[0])
-            _, _, _, grads, shared_grads, loss_sum = carry
-            grads = tuple(jax.tree.map(lambda g: jax.lax.pmean(g, "data")[None], t) for t in grads)
-            shared_grads = jax.tree.map(lambda g: jax.lax.pmean(jax.lax.psum(g, "pipe"), "data"), shared_grads)
-            loss = jax.lax.pmean(jax.lax.psum(loss_sum, "pipe"), "data") / M
-            return loss, grads, shared_grads
+            _, _, _, grads, shared_grads, (loss_sum, weight) = carry
+            loss_sum = jax.lax.psum(jax.lax.psum(loss_sum, "pipe"), "data")
+            weight = jax.lax.psum(jax.lax.psum(weight, "pipe"), "data")
+            scale = tokens_global / weight  # exactly 1 without a loss mask
+
+            def finish(g):
+                return (g * scale).astype(g.dtype)
+
+            grads = tuple(jax.tree.map(lambda g: finish(jax.lax.psum(g, "data"))[None], t) for t in grads)
+            shared_grads = jax.tree.map(lambda g: finish(jax.lax.psum(jax.lax.psum(g, "pipe"), "data")), shared_grads)
+            return loss_sum / weight, grads, shared_grads
 
         sharded = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(P("pipe"), P(), P("data"), P("data"), P("pipe")),
+            in_specs=(P("pipe"), P(), P("data"), P("pipe")),
             out_specs=(P(), P("pipe"), P()),
         )
 
-        def grad_fn(params: PipelineParams, tokens: jax.Array, targets: jax.Array):
-            loss, grads, shared_grads = sharded(params.stages, params.shared, tokens, targets, table)
+        def grad_fn(params: PipelineParams, batch: dict):
+            given = _key(_spec_of(batch))
+            if given != _key(spec):
+                want = {k: shape for k, shape, _ in _key(spec)}
+                raise JaxmemError(
+                    f"this gradient function was built for batches {want}; got {dict(g[:2] for g in given)}: "
+                    "build one per batch structure with grad_fn(batch)"
+                )
+            loss, grads, shared_grads = sharded(params.stages, params.shared, batch, table)
             return loss, PipelineParams(stages=grads, shared=shared_grads)
 
         return grad_fn
+
+
+def _check_output(model, c: StageClass, plan: ResidualPlan, message) -> None:
+    """A stage's output must be what the next stage takes (or, last, a ``(loss_sum, weight)`` pair)."""
+    if c.last:
+        avals = plan.out_avals
+        if len(avals) != 2 or any(a.shape != () for a in avals):
+            raise JaxmemError(
+                f"model {model.name}: head_loss must return (loss_sum, weight), two scalars; got "
+                f"{[tuple(a.shape) for a in avals]}"
+            )
+        return
+    want = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(message)]
+    got = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in plan.out_avals]
+    if want != got:
+        raise JaxmemError(
+            f"model {model.name}: a layer must return what it takes (the embedding's output structure); "
+            f"the embedding gives {want}, stage {c.label} returns {got}"
+        )

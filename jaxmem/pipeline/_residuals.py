@@ -9,7 +9,8 @@ where it comes from:
 
 - a parameter (the stage weights, the shared embedding/head) -> taken from the parameters at
   backward time, never stashed;
-- tokens / targets -> taken from the batch at backward time;
+- a leaf of the microbatch (tokens, targets, a loss mask, positions) -> taken from the batch at
+  backward time;
 - computed from parameters and constants only (a transposed weight, a causal mask) -> recomputed in
   the backward branch from the same jaxpr (XLA drops everything else);
 - anything that depends on the microbatch -> packed into the stash, one flat vector per dtype.
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var, jaxpr_as_fun
 
-__all__ = ["ResidualPlan", "analyze_stage"]
+__all__ = ["ResidualPlan", "analyze_stage", "emitted_tags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +59,23 @@ class ResidualPlan:
     """How one stage class's residuals are produced, stored and restored.
 
     Attributes:
-        closed: jaxpr of ``(params..., shared..., x, tokens, targets) -> (out, *residuals)``.
+        closed: jaxpr of ``(params..., shared..., x..., batch...) -> (out..., *residuals)``.
         treedef: treedef of the pullback whose leaves are the residuals.
-        sources: per residual, ``("param", i)``, ``("shared", j)``, ``("tokens",)``, ``("targets",)``,
+        out_tree: treedef of the stage output (the message, or ``(loss_sum, weight)``).
+        out_avals: the stage output's leaves, abstract.
+        sources: per residual, ``("param", i)``, ``("shared", j)``, ``("batch", k)``,
             ``("derived",)``, ``("literal", value)`` or ``("stash", StashedLeaf)``.
         stash_elems: per buffer ``(dtype, space)``, elements one microbatch stashes.
     """
 
     closed: ClosedJaxpr
     treedef: object
+    out_tree: object
+    out_avals: tuple
     n_params: int
     n_shared: int
     sources: tuple
     stash_elems: dict
-    out_aval: object
 
     def stash_bytes_by_buffer(self) -> dict[tuple[str, str], int]:
         return {key: n * np.dtype(key[0]).itemsize for key, n in self.stash_elems.items()}
@@ -83,11 +87,12 @@ class ResidualPlan:
     def stashed_leaves(self) -> list[StashedLeaf]:
         return list(dict.fromkeys(src[1] for src in self.sources if src[0] == "stash"))
 
-    def forward(self, params, shared, x, tokens, targets):
+    def forward(self, params, shared, x, batch):
         """Run the stage: returns ``(out, packed)``, packed = {(dtype, space): flat vector}."""
-        flat = jax.tree.leaves(params) + jax.tree.leaves(shared) + [x, tokens, targets]
+        flat = jax.tree.leaves(params) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         outs = jaxpr_as_fun(self.closed)(*flat)
-        out, residuals = outs[0], outs[1:]
+        n_out = len(self.out_avals)
+        out, residuals = jax.tree_util.tree_unflatten(self.out_tree, outs[:n_out]), outs[n_out:]
         pieces: dict[tuple[str, str], list] = {key: [] for key in self.stash_elems}
         seen = set()
         for value, src in zip(residuals, self.sources):
@@ -100,15 +105,17 @@ class ResidualPlan:
         packed = {key: jnp.concatenate(parts) if len(parts) > 1 else parts[0] for key, parts in pieces.items()}
         return out, packed
 
-    def pullback(self, params, shared, x_like, tokens, targets, packed) -> Callable:
+    def pullback(self, params, shared, x_like, batch, packed) -> Callable:
         """Rebuild the stage's pullback from parameters, the batch and a stash slot."""
         param_leaves = jax.tree.leaves(params)
         shared_leaves = jax.tree.leaves(shared)
+        batch_leaves = jax.tree.leaves(batch)
         derived = None
         if any(src[0] == "derived" for src in self.sources):
             # Only the parameter-derived outputs are used; XLA removes the rest of this forward.
-            zeros = jnp.zeros_like(x_like)
-            derived = jaxpr_as_fun(self.closed)(*param_leaves, *shared_leaves, zeros, tokens, targets)[1:]
+            zeros = [jnp.zeros_like(a) for a in jax.tree.leaves(x_like)]
+            outs = jaxpr_as_fun(self.closed)(*param_leaves, *shared_leaves, *zeros, *batch_leaves)
+            derived = outs[len(self.out_avals) :]
         residuals = []
         for i, src in enumerate(self.sources):
             kind = src[0]
@@ -116,10 +123,8 @@ class ResidualPlan:
                 residuals.append(param_leaves[src[1]])
             elif kind == "shared":
                 residuals.append(shared_leaves[src[1]])
-            elif kind == "tokens":
-                residuals.append(tokens)
-            elif kind == "targets":
-                residuals.append(targets)
+            elif kind == "batch":
+                residuals.append(batch_leaves[src[1]])
             elif kind == "literal":
                 residuals.append(src[1])
             elif kind == "derived":
@@ -139,38 +144,63 @@ def _memory_space(aval) -> str:
     return "host" if space is not None and "host" in str(space).lower() else "device"
 
 
-def analyze_stage(
-    stage_fn: Callable, params, shared, x, tokens, targets, *, stash_to_host: bool = False
-) -> ResidualPlan:
-    """Trace ``jax.vjp`` of ``stage_fn(params, shared, x, tokens, targets)`` w.r.t. params, shared, x.
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def emitted_tags(fn: Callable, *args) -> set[str]:
+    """The ``checkpoint_name`` tags ``fn(*args)`` emits (nested jaxprs included), traced abstractly."""
+    found: set[str] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                found.add(eqn.params["name"])
+            for inner in _sub_jaxprs(eqn):
+                walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def analyze_stage(stage_fn: Callable, params, shared, x, batch, *, stash_to_host: bool = False) -> ResidualPlan:
+    """Trace ``jax.vjp`` of ``stage_fn(params, shared, x, batch)`` w.r.t. params, shared and x.
 
     With ``stash_to_host`` every stashed residual is kept in host buffers between F and B.
     """
     box = {}
 
-    def fwd(params, shared, x, tokens, targets):
-        out, pullback = jax.vjp(lambda p, s, xx: stage_fn(p, s, xx, tokens, targets), params, shared, x)
+    def fwd(params, shared, x, batch):
+        out, pullback = jax.vjp(lambda p, s, xx: stage_fn(p, s, xx, batch), params, shared, x)
         leaves, treedef = jax.tree_util.tree_flatten(pullback)
-        box["treedef"] = treedef
-        return out, leaves
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        box["treedef"], box["out_tree"] = treedef, out_tree
+        return out_leaves, leaves
 
-    flat_args = (params, shared, x, tokens, targets)
-    closed = jax.make_jaxpr(fwd)(*flat_args)
+    closed = jax.make_jaxpr(fwd)(params, shared, x, batch)
     jaxpr = closed.jaxpr
     n_params = len(jax.tree.leaves(params))
     n_shared = len(jax.tree.leaves(shared))
+    n_x = len(jax.tree.leaves(x))
     invars = list(jaxpr.invars)
-    x_var, tok_var, tgt_var = invars[n_params + n_shared :]
+    x_vars = invars[n_params + n_shared : n_params + n_shared + n_x]
+    batch_vars = invars[n_params + n_shared + n_x :]
+    n_out = box["out_tree"].num_leaves
 
-    # Which values depend on the microbatch (x, tokens, targets)? Nested jaxprs count as one op.
-    per_microbatch = {x_var, tok_var, tgt_var}
+    # Which values depend on the microbatch (x and the batch)? Nested jaxprs count as one op.
+    per_microbatch = set(x_vars) | set(batch_vars)
     for eqn in jaxpr.eqns:
         if any(isinstance(v, Var) and v in per_microbatch for v in eqn.invars):
             per_microbatch.update(eqn.outvars)
 
     position = {v: i for i, v in enumerate(invars)}
+    batch_position = {v: k for k, v in enumerate(batch_vars)}
     sources, stash_elems, stashed = [], {}, {}
-    for v in jaxpr.outvars[1:]:
+    for v in jaxpr.outvars[n_out:]:
         if isinstance(v, Literal):
             sources.append(("literal", v.val))
             continue
@@ -182,10 +212,8 @@ def analyze_stage(
             sources.append(("param", i))
         elif i is not None and i < n_params + n_shared:
             sources.append(("shared", i - n_params))
-        elif v is tok_var:
-            sources.append(("tokens",))
-        elif v is tgt_var:
-            sources.append(("targets",))
+        elif v in batch_position:
+            sources.append(("batch", batch_position[v]))
         elif v in per_microbatch:
             aval = v.aval
             dtype = np.dtype(aval.dtype).name
@@ -201,9 +229,10 @@ def analyze_stage(
     return ResidualPlan(
         closed=closed,
         treedef=box["treedef"],
+        out_tree=box["out_tree"],
+        out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]),
         n_params=n_params,
         n_shared=n_shared,
         sources=tuple(sources),
         stash_elems=stash_elems,
-        out_aval=jaxpr.outvars[0].aval,
     )

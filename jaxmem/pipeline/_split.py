@@ -1,19 +1,15 @@
-"""Cutting a GPT into pipeline stages: layer counts, parameter layout, and pure stage functions."""
+"""Cutting a model into pipeline stages: layer counts, parameter layout, and pure stage functions."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models.gpt import GPT, GPTConfig, cross_entropy
 
-__all__ = ["GPTPieces", "split_layers", "stack_stage_params", "unstack_stage_params"]
+__all__ = ["split_layers", "stack_stage_params", "stage_forward", "unstack_layers", "unstack_stage_params"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -50,76 +46,40 @@ def split_layers(n_layers: int, n_stages: int, layer_counts: Sequence[int] | Non
     return (n_layers // n_stages,) * n_stages
 
 
-@dataclasses.dataclass(frozen=True)
-class GPTPieces:
-    """Pure functions of parameter dicts for the pieces of a GPT a pipeline stage runs.
+def unstack_layers(stacked, layers: int) -> list:
+    """The first ``layers`` entries of a tree whose leaves lead with a layer axis, one tree per layer.
 
-    ``shared`` holds the embeddings, final norm and head (every rank keeps a copy: the first and last
-    stages use them); ``block`` parameters are per layer. Each piece runs the model's own Flax module
-    (``nnx.merge`` of its graph definition with the given parameters), so the math is the model's.
+    One split per leaf, not an index per layer: the gradient of ``a[i]`` pads each layer's gradient to
+    the whole stack and adds them up (work growing with the square of the layers); a split's
+    gradient is one concatenation.
     """
+    leaves, treedef = jax.tree.flatten(stacked)
+    pieces = []
+    for a in leaves:
+        sizes = [1] * layers + ([a.shape[0] - layers] if a.shape[0] > layers else [])
+        pieces.append([p[0] for p in jax.lax.split(a, sizes)[:layers]])
+    return [jax.tree.unflatten(treedef, [p[i] for p in pieces]) for i in range(layers)]
 
-    config: GPTConfig
-    graphdefs: dict = dataclasses.field(repr=False, compare=False)
 
-    @classmethod
-    def create(cls, config: GPTConfig) -> GPTPieces:
-        abstract = nnx.eval_shape(lambda: GPT(dataclasses.replace(config, n_layers=1), rngs=nnx.Rngs(0)))
-        names = ["wte", "wpe", "ln_f"] + ([] if config.tied_head else ["head"])
-        graphdefs = {name: nnx.split(getattr(abstract, name))[0] for name in names}
-        graphdefs["block"] = nnx.split(abstract.blocks[0])[0]
-        return cls(config, graphdefs)
+def stage_forward(model, *, first: bool, last: bool, layers: int, skip: tuple[int, ...] = ()) -> Callable:
+    """``fn(stage_params, shared, x, batch)`` of one stage of a :class:`~jaxmem.models.StagedModel`:
+    the embedding if ``first`` (``x`` is then ignored), ``layers`` layers (except the local indices
+    in ``skip``: layer drop), the head's ``(loss_sum, weight)`` if ``last``. ``stage_params`` leaves
+    have a leading layer axis (at least ``layers``)."""
 
-    def _module(self, name: str, params: dict):
-        return nnx.merge(self.graphdefs[name], params)
+    def fn(stage_params, shared, x, batch):
+        if first:
+            x = model.embed(shared, batch)
+        per_layer = unstack_layers(stage_params, layers)
+        for i in range(layers):
+            if i in skip:
+                continue
+            x = model.layer(per_layer[i], x, batch)
+        if last:
+            return model.head_loss(shared, x, batch)
+        return x
 
-    def embed(self, shared: dict, tokens: jax.Array) -> jax.Array:
-        seq = tokens.shape[-1]
-        return self._module("wte", shared["wte"])(tokens) + self._module("wpe", shared["wpe"])(jnp.arange(seq))
-
-    def block(self, block_params: dict, x: jax.Array) -> jax.Array:
-        return self._module("block", block_params)(x)
-
-    def logits(self, shared: dict, x: jax.Array) -> jax.Array:
-        h = self._module("ln_f", shared["ln_f"])(x)
-        if self.config.tied_head:
-            logits = self._module("wte", shared["wte"]).attend(h)
-        else:
-            logits = self._module("head", shared["head"])(h)
-        return checkpoint_name(logits, "logits")
-
-    def head_loss(self, shared: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
-        return cross_entropy(self.logits(shared, x), targets)
-
-    def stage_forward(self, first: bool, last: bool, layers: int, skip: tuple[int, ...] = ()) -> Callable:
-        """``fn(stage_params, shared, x, tokens, targets)``: embedding if first, ``layers`` blocks
-        (except the local indices in ``skip``: layer drop), head + loss if last. ``stage_params``
-        leaves have a leading layer axis (at least ``layers``)."""
-        block = self.block
-
-        def fn(stage_params, shared, x, tokens, targets):
-            if first:
-                x = self.embed(shared, tokens)
-            for i in range(layers):
-                if i in skip:
-                    continue
-                x = block(jax.tree.map(lambda a, i=i: a[i], stage_params), x)
-            if last:
-                return self.head_loss(shared, x, targets)
-            return x
-
-        return fn
-
-    @staticmethod
-    def split_model_params(params: dict) -> tuple[list[dict], dict]:
-        """Model parameter dict -> (per-layer block dicts, shared dict)."""
-        blocks = [params["blocks"][i] for i in sorted(params["blocks"])]
-        shared = {k: v for k, v in params.items() if k != "blocks"}
-        return blocks, shared
-
-    @staticmethod
-    def join_model_params(blocks: Sequence[dict], shared: dict) -> dict:
-        return {**shared, "blocks": dict(enumerate(blocks))}
+    return fn
 
 
 def _per_rank(stage_to_rank: Sequence[int]) -> list[list[int]]:

@@ -17,9 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxmem.plan._layout import assign_offsets
-from jaxmem.schedule import Action, Kind, Schedule, lockstep_ticks, validate
-from jaxmem.schedule._table import ScheduleError
+from jaxmem.layout import assign_offsets
+from jaxmem.schedule import Action, Kind, Schedule, ScheduleError, lockstep_ticks, validate
 
 __all__ = ["StageClass", "TickProgram", "build_tick_program"]
 

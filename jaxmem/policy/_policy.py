@@ -2,11 +2,13 @@
 on device, recomputed in the backward, or offloaded to host; and whether a stage's stash, weights and
 optimizer state live on host between uses.
 
-A :class:`Policy` is a frozen, hashable value. ``from_spec`` turns a friendly spec (a preset name, a
-dict, a TOML table or file) into one. ``Policy.resolve(schedule)`` checks it against a schedule
-(stage numbers, microbatch classes) and gives each (stage, microbatch) its :class:`StagePolicy`; a
-StagePolicy lowers to a ``jax.checkpoint`` policy over the whole stage function (name-based:
-``save_only_these_names`` / ``save_and_offload_only_these_names``) and to memory kinds in the executor.
+A :class:`Policy` is a frozen, hashable value written without a model in mind: tags are names.
+``from_spec`` turns a friendly spec (a preset name, a dict, a TOML table or file) into one.
+``Policy.resolve(schedule, tags)`` checks it against a schedule (stage numbers, microbatch classes)
+and a model's declared tags (:class:`TagSet`), and gives each (stage, microbatch) its
+:class:`BoundStagePolicy`, which lowers to a ``jax.checkpoint`` policy over the whole stage function
+(name-based: ``save_only_these_names`` / ``save_and_offload_only_these_names``) and to memory kinds in
+the executor. ``save-all`` means every tag the model declares; a tag it does not declare is an error.
 """
 
 from __future__ import annotations
@@ -19,34 +21,18 @@ from collections.abc import Callable, Mapping
 from jaxmem._errors import JaxmemError
 
 __all__ = [
-    "ALL_TAGS",
+    "BASES",
+    "BoundStagePolicy",
     "Decision",
     "Policy",
     "PolicyError",
     "PRESETS",
     "ResolvedPolicy",
     "StagePolicy",
+    "TagSet",
     "from_spec",
     "microbatch_classes",
 ]
-
-# Tags of the GPT's blocks and head (jaxmem.models.gpt.TAGS plus the head's logits). Kept here as
-# strings so that policies import no JAX.
-BLOCK_TAGS = (
-    "attn_in",
-    "q",
-    "k",
-    "v",
-    "attn_probs",
-    "attn_ctx",
-    "attn_out",
-    "mlp_in",
-    "mlp_pre",
-    "mlp_hidden",
-    "block_out",
-)
-HEAD_TAGS = ("logits",)
-ALL_TAGS = BLOCK_TAGS + HEAD_TAGS
 
 
 class PolicyError(JaxmemError):
@@ -59,64 +45,182 @@ class Decision(enum.StrEnum):
     OFFLOAD = "offload"
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StagePolicy:
-    """What one stage does with its activations, stash and state.
+@dataclasses.dataclass(frozen=True)
+class TagSet:
+    """The ``checkpoint_name`` tags a model declares, and named groups of them.
+
+    A policy is written against tag names and bound to a model's TagSet when it is resolved: ``save-all``
+    saves every declared tag, ``selective`` every tag outside the ``quadratic`` group (the tensors
+    that grow with the square of the sequence, e.g. attention probabilities), and a tag the model
+    does not declare is an error.
 
     Attributes:
-        save: tags kept on device from forward to backward.
-        offload: tags moved to host after the forward and brought back for the backward.
-            Every other tag (and every untagged intermediate) is recomputed in the backward from the
-            saved values; the stage input is always kept.
+        names: every tag the model's stage functions emit, in forward order.
+        groups: ``(group, tags)`` pairs; ``quadratic`` is the one the presets use.
+
+    >>> tags = TagSet(("q", "k", "probs", "out"), groups=(("quadratic", ("probs",)),))
+    >>> sorted(tags.group("quadratic"))
+    ['probs']
+    """
+
+    names: tuple[str, ...]
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "names", tuple(self.names))
+        groups = self.groups.items() if isinstance(self.groups, Mapping) else self.groups
+        object.__setattr__(self, "groups", tuple((str(g), tuple(t)) for g, t in groups))
+        if len(set(self.names)) != len(self.names):
+            raise PolicyError(f"tags are declared twice: {sorted(t for t in self.names if self.names.count(t) > 1)}")
+        for group, members in self.groups:
+            unknown = [t for t in members if t not in self.names]
+            if unknown:
+                raise PolicyError(f"tag group {group!r} names undeclared tags {unknown}; declared: {self.describe()}")
+
+    def group(self, name: str) -> frozenset[str]:
+        """The tags of a group (empty when the model has no such group)."""
+        return frozenset(dict(self.groups).get(name, ()))
+
+    def check(self, tag: str, where: str = "policy") -> None:
+        if tag not in self.names:
+            raise PolicyError(f"{where}: unknown activation tag {tag!r}; the model declares: {self.describe()}")
+
+    def describe(self) -> str:
+        return ", ".join(self.names) if self.names else "(no tags)"
+
+
+# How a base decides for every declared tag: the tags it saves and the tags it offloads.
+BASES = ("save-all", "recompute-all", "selective", "offload-all")
+
+
+def _base_sets(base: str, tags: TagSet) -> tuple[frozenset, frozenset]:
+    everything = frozenset(tags.names)
+    if base == "save-all":
+        return everything, frozenset()
+    if base == "recompute-all":
+        return frozenset(), frozenset()
+    if base == "selective":  # Megatron's selective recompute: all but the quadratic tensors
+        return everything - tags.group("quadratic"), frozenset()
+    return frozenset(), everything  # offload-all
+
+
+def _decision(tag: str, value) -> Decision:
+    try:
+        return Decision(str(value).lower())
+    except ValueError:
+        raise PolicyError(f"tag {tag!r}: unknown decision {value!r}; use save, recompute or offload") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePolicy:
+    """What one stage does with its activations, stash and state, written without a model in mind.
+
+    Attributes:
+        base: ``save-all`` (every declared tag kept on device), ``recompute-all`` (only the stage
+            input kept; everything recomputed in the backward), ``selective`` (all but the model's
+            ``quadratic`` tags) or ``offload-all`` (every declared tag moved to host).
+        tags: per-tag overrides of the base, ``(tag, decision)`` pairs (a mapping is accepted).
         offload_stash: keep this stage's whole stash (everything saved between F and B) on host.
         offload_weights: keep the stage's weights on host between steps, fetched when used.
         offload_optimizer_state: keep the stage's optimizer state on host between steps.
+
+    Bound to a model's :class:`TagSet` (:meth:`bind`) it becomes a :class:`BoundStagePolicy`, the
+    concrete sets of tags saved, offloaded and recomputed.
+
+    >>> StagePolicy(base="selective", tags={"mlp_hidden": "offload"}).describe()
+    'selective; offload mlp_hidden'
     """
 
-    save: frozenset[str] = frozenset(ALL_TAGS)
-    offload: frozenset[str] = frozenset()
+    base: str = "save-all"
+    tags: tuple[tuple[str, Decision], ...] = ()
     offload_stash: bool = False
     offload_weights: bool = False
     offload_optimizer_state: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "save", frozenset(self.save))
-        object.__setattr__(self, "offload", frozenset(self.offload))
-        for tag in self.save | self.offload:
-            _check_tag(tag)
-        both = self.save & self.offload
-        if both:
-            raise PolicyError(f"tags {sorted(both)} are both saved and offloaded; pick one decision per tag")
+        if self.base not in BASES:
+            raise PolicyError(f"unknown policy base {self.base!r}; bases: {', '.join(BASES)}")
+        items = self.tags.items() if isinstance(self.tags, Mapping) else self.tags
+        decisions = {str(tag): _decision(str(tag), value) for tag, value in items}
+        object.__setattr__(self, "tags", tuple(sorted(decisions.items())))
+
+    def with_decisions(self, decisions: Mapping[str, str | Decision]) -> StagePolicy:
+        merged = dict(self.tags)
+        merged.update({tag: _decision(tag, value) for tag, value in decisions.items()})
+        return dataclasses.replace(self, tags=tuple(merged.items()))
+
+    def bind(self, tags: TagSet, where: str = "policy") -> BoundStagePolicy:
+        """The concrete decisions for a model's tags; a tag it does not declare is an error."""
+        save, offload = (set(x) for x in _base_sets(self.base, tags))
+        for tag, decision in self.tags:
+            tags.check(tag, where)
+            save.discard(tag)
+            offload.discard(tag)
+            if decision is Decision.SAVE:
+                save.add(tag)
+            elif decision is Decision.OFFLOAD:
+                offload.add(tag)
+        return BoundStagePolicy(
+            save=frozenset(save),
+            offload=frozenset(offload),
+            recompute=frozenset(tags.names) - save - offload,
+            order=tags.names,
+            offload_stash=self.offload_stash,
+            offload_weights=self.offload_weights,
+            offload_optimizer_state=self.offload_optimizer_state,
+        )
+
+    def describe(self) -> str:
+        parts = [self.base]
+        for kind in Decision:
+            named = [tag for tag, d in self.tags if d is kind]
+            if named:
+                parts.append(f"{kind.value} {','.join(named)}")
+        return "; ".join(parts) + _extras(self)
+
+
+def _extras(sp) -> str:
+    extras = [
+        name
+        for name, on in (
+            ("stash->host", sp.offload_stash),
+            ("weights->host", sp.offload_weights),
+            ("opt-state->host", sp.offload_optimizer_state),
+        )
+        if on
+    ]
+    return "" if not extras else " + " + ", ".join(extras)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoundStagePolicy:
+    """A :class:`StagePolicy` bound to a model's tags: what the executor lowers.
+
+    Attributes:
+        save: tags kept on device from forward to backward.
+        offload: tags moved to host after the forward and brought back for the backward.
+        recompute: the model's other tags, recomputed in the backward from the saved values (as is
+            every untagged intermediate); the stage input is always kept.
+        order: the model's tags in forward order (for display).
+        offload_stash, offload_weights, offload_optimizer_state: as in :class:`StagePolicy`.
+    """
+
+    save: frozenset[str]
+    offload: frozenset[str] = frozenset()
+    recompute: frozenset[str] = frozenset()
+    order: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    offload_stash: bool = False
+    offload_weights: bool = False
+    offload_optimizer_state: bool = False
 
     def decision(self, tag: str) -> Decision:
-        _check_tag(tag)
         if tag in self.save:
             return Decision.SAVE
         if tag in self.offload:
             return Decision.OFFLOAD
-        return Decision.RECOMPUTE
-
-    @property
-    def recompute(self) -> frozenset[str]:
-        return frozenset(ALL_TAGS) - self.save - self.offload
-
-    def with_decisions(self, decisions: Mapping[str, str | Decision]) -> StagePolicy:
-        save, offload = set(self.save), set(self.offload)
-        for tag, decision in decisions.items():
-            _check_tag(tag)
-            try:
-                d = Decision(str(decision).lower())
-            except ValueError:
-                raise PolicyError(
-                    f"tag {tag!r}: unknown decision {decision!r}; use save, recompute or offload"
-                ) from None
-            save.discard(tag)
-            offload.discard(tag)
-            if d is Decision.SAVE:
-                save.add(tag)
-            elif d is Decision.OFFLOAD:
-                offload.add(tag)
-        return dataclasses.replace(self, save=frozenset(save), offload=frozenset(offload))
+        if tag in self.recompute:
+            return Decision.RECOMPUTE
+        raise PolicyError(f"unknown activation tag {tag!r}; the model declares: {', '.join(self.order)}")
 
     def checkpoint_policy(self):
         """The ``jax.checkpoint`` policy this lowers to (imports JAX)."""
@@ -139,54 +243,37 @@ class StagePolicy:
         return jax.checkpoint(stage_fn, policy=self.checkpoint_policy())
 
     def describe(self) -> str:
-        if self.save == frozenset(ALL_TAGS) and not self.offload:
+        if not self.recompute and not self.offload:
             core = "save-all"
         elif not self.save and not self.offload:
             core = "recompute-all"
         else:
             parts = []
             if self.recompute:
-                parts.append("recompute " + ",".join(t for t in ALL_TAGS if t in self.recompute))
+                parts.append("recompute " + ",".join(t for t in self.order if t in self.recompute))
             if self.offload:
-                parts.append("offload " + ",".join(t for t in ALL_TAGS if t in self.offload))
+                parts.append("offload " + ",".join(t for t in self.order if t in self.offload))
             core = "; ".join(parts)
-        extras = [
-            name
-            for name, on in (
-                ("stash->host", self.offload_stash),
-                ("weights->host", self.offload_weights),
-                ("opt-state->host", self.offload_optimizer_state),
-            )
-            if on
-        ]
-        return core + ("" if not extras else " + " + ", ".join(extras))
+        return core + _extras(self)
 
-
-def _check_tag(tag: str) -> None:
-    if tag not in ALL_TAGS:
-        raise PolicyError(f"unknown activation tag {tag!r}; valid tags: {', '.join(ALL_TAGS)}")
-
-
-SAVE_ALL = StagePolicy()
-RECOMPUTE_ALL = StagePolicy(save=frozenset())
-# Megatron's selective recompute keeps everything but the attention core's quadratic tensors.
-SELECTIVE = StagePolicy(save=frozenset(ALL_TAGS) - {"attn_probs"})
 
 PRESETS: dict[str, StagePolicy] = {
-    "save-all": SAVE_ALL,
-    "recompute-all": RECOMPUTE_ALL,
-    "selective": SELECTIVE,
-    "offload-stash": dataclasses.replace(SAVE_ALL, offload_stash=True),
-    "offload-weights": dataclasses.replace(SAVE_ALL, offload_weights=True),
-    "offload-tags": StagePolicy(save=frozenset(), offload=frozenset(ALL_TAGS)),
+    "save-all": StagePolicy(),
+    "recompute-all": StagePolicy(base="recompute-all"),
+    "selective": StagePolicy(base="selective"),
+    "offload-stash": StagePolicy(offload_stash=True),
+    "offload-weights": StagePolicy(offload_weights=True),
+    "offload-optimizer-state": StagePolicy(offload_optimizer_state=True),
+    "offload-tags": StagePolicy(base="offload-all"),
 }
 PRESET_HELP = {
-    "save-all": "keep every named activation on device (no recompute)",
+    "save-all": "keep every declared activation tag on device (no recompute)",
     "recompute-all": "keep only each stage's input; recompute the whole stage in the backward",
-    "selective": "keep all but the attention probabilities, which are recomputed (Megatron-style)",
+    "selective": "keep all but the model's quadratic tags (attention probabilities), recomputed (Megatron-style)",
     "offload-stash": "save-all, with each stage's stash kept on host between F and B",
     "offload-weights": "save-all, with stage weights on host between steps",
-    "offload-tags": "offload every named activation to host (checkpoint offload policy)",
+    "offload-optimizer-state": "save-all, with stage optimizer state on host between steps",
+    "offload-tags": "offload every declared activation tag to host (checkpoint offload policy)",
 }
 
 
@@ -221,7 +308,7 @@ class Policy:
     Precedence, most specific first: cell, stage + microbatch class, stage, microbatch class, default.
     """
 
-    default: StagePolicy = SAVE_ALL
+    default: StagePolicy = StagePolicy()
     stages: tuple[tuple[int, StagePolicy], ...] = ()
     microbatch: tuple[tuple[str, StagePolicy], ...] = ()
     stage_microbatch: tuple[tuple[int, str, StagePolicy], ...] = ()
@@ -231,8 +318,9 @@ class Policy:
     def __str__(self) -> str:
         return self.name
 
-    def resolve(self, schedule) -> ResolvedPolicy:
-        """Check the policy against a schedule and give every (stage, microbatch) its StagePolicy."""
+    def resolve(self, schedule, tags: TagSet) -> ResolvedPolicy:
+        """Check the policy against a schedule and a model's tags, and give every (stage, microbatch)
+        its :class:`BoundStagePolicy`."""
         S, M = schedule.num_stages, schedule.num_microbatches
         for stage, _ in self.stages:
             _check_stage(stage, S)
@@ -246,8 +334,25 @@ class Policy:
             _check_stage(stage, S)
             if not 0 <= mb < M:
                 raise PolicyError(f"policy cell names microbatch {mb}; the schedule has microbatches 0..{M - 1}")
+        bound: dict[StagePolicy, BoundStagePolicy] = {}
+
+        def bind(sp: StagePolicy, where: str) -> BoundStagePolicy:
+            if sp not in bound:
+                bound[sp] = sp.bind(tags, where)
+            return bound[sp]
+
+        # Bind every spec once, so a bad tag is reported where it was written, used or not.
+        bind(self.default, f"policy {self.name!r}")
+        for stage, sp in self.stages:
+            bind(sp, f"policy {self.name!r}, stage {stage}")
+        for cls, sp in self.microbatch:
+            bind(sp, f"policy {self.name!r}, microbatch {cls}")
+        for stage, cls, sp in self.stage_microbatch:
+            bind(sp, f"policy {self.name!r}, stage {stage} microbatch {cls}")
+        for stage, mb, sp in self.cells:
+            bind(sp, f"policy {self.name!r}, cell ({stage}, {mb})")
         by_stage = dict(self.stages)
-        table: dict[tuple[int, int], StagePolicy] = {}
+        table: dict[tuple[int, int], BoundStagePolicy] = {}
         for s in range(S):
             for m in range(M):
                 chosen = by_stage.get(s, self.default)
@@ -257,9 +362,9 @@ class Policy:
                 for stage, cls, sp in self.stage_microbatch:
                     if stage == s and (s, m) in classes[cls]:
                         chosen = sp
-                table[(s, m)] = chosen
+                table[(s, m)] = bound[chosen]
         for s, m, sp in self.cells:
-            table[(s, m)] = sp
+            table[(s, m)] = bound[sp]
         return ResolvedPolicy.build(self, schedule, table)
 
 
@@ -283,19 +388,19 @@ class ResolvedPolicy:
 
     Attributes:
         policy: the source policy.
-        variants: the distinct StagePolicies in use (each compiles to its own executor branches).
+        variants: the distinct bound stage policies in use (each compiles to its own executor branches).
         variant_of: (stage, microbatch) -> index into ``variants``.
     """
 
     policy: Policy
-    variants: tuple[StagePolicy, ...]
+    variants: tuple[BoundStagePolicy, ...]
     variant_of: Mapping[tuple[int, int], int] = dataclasses.field(hash=False)
     num_stages: int = 0
     num_microbatches: int = 0
 
     @classmethod
-    def build(cls, policy: Policy, schedule, table: Mapping[tuple[int, int], StagePolicy]) -> ResolvedPolicy:
-        variants: list[StagePolicy] = []
+    def build(cls, policy: Policy, schedule, table: Mapping[tuple[int, int], BoundStagePolicy]) -> ResolvedPolicy:
+        variants: list[BoundStagePolicy] = []
         variant_of = {}
         for key in sorted(table):
             sp = table[key]
@@ -306,7 +411,7 @@ class ResolvedPolicy:
         resolved._check_state_offload(schedule)
         return resolved
 
-    def stage_policy(self, stage: int, microbatch: int) -> StagePolicy:
+    def stage_policy(self, stage: int, microbatch: int) -> BoundStagePolicy:
         return self.variants[self.variant_of[(stage, microbatch)]]
 
     def _stage_flag(self, stage: int, flag: str) -> bool:
@@ -353,42 +458,57 @@ class ResolvedPolicy:
 
 
 # --------------------------------------------------------------------------- specs
+FLAGS = ("offload_stash", "offload_weights", "offload_optimizer_state")
+STAGE_KEYS = ("base", "tags", *FLAGS)
+
+
+def _preset(name: str, where: str) -> StagePolicy:
+    key = str(name).strip().lower()
+    if key not in PRESETS:
+        raise PolicyError(f"{where}: unknown policy preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+def _tag_decisions(table: Mapping, where: str, reserved=()) -> dict:
+    """The keys of a spec table that are not spec keys: per-tag decisions (checked against the
+    model's tags when the policy is resolved)."""
+    decisions = {}
+    for key, value in table.items():
+        if key in STAGE_KEYS or key in reserved:
+            continue
+        if not isinstance(value, str):
+            valid = ", ".join((*STAGE_KEYS, *reserved))
+            raise PolicyError(
+                f"{where}: unknown key {key!r} = {value!r}; valid keys: {valid}, or a tag name set to save, "
+                "recompute or offload"
+            )
+        decisions[key] = value
+    return decisions
+
+
 def _stage_policy_from(value, where: str) -> StagePolicy:
     if isinstance(value, StagePolicy):
         return value
     if isinstance(value, str):
-        key = value.strip().lower()
-        if key not in PRESETS:
-            raise PolicyError(f"{where}: unknown policy preset {value!r}; presets: {', '.join(PRESETS)}")
-        return PRESETS[key]
+        return _preset(value, where)
     if isinstance(value, Mapping):
-        known = {"base", "tags", "offload_stash", "offload_weights", "offload_optimizer_state"}
-        unknown = set(value) - known - set(ALL_TAGS)
-        if unknown:
-            raise PolicyError(
-                f"{where}: unknown keys {sorted(unknown)}; use base, tags, offload_stash, offload_weights, "
-                f"offload_optimizer_state, or tag names ({', '.join(ALL_TAGS)})"
-            )
-        sp = _stage_policy_from(value.get("base", "save-all"), where)
+        sp = _preset(value.get("base", "save-all"), where)
         decisions = dict(value.get("tags", {}))
-        decisions.update({k: v for k, v in value.items() if k in ALL_TAGS})
+        decisions.update(_tag_decisions(value, where))
         sp = sp.with_decisions(decisions)
-        flags = {
-            k: bool(value[k]) for k in ("offload_stash", "offload_weights", "offload_optimizer_state") if k in value
-        }
-        return dataclasses.replace(sp, **flags)
+        return dataclasses.replace(sp, **{k: bool(value[k]) for k in FLAGS if k in value})
     raise PolicyError(f"{where}: a stage policy is a preset name or a table, got {type(value).__name__}")
 
 
 def from_spec(spec) -> Policy:
     """Normalise a policy spec.
 
-    Accepts a :class:`Policy`; a preset name (``save-all``, ``recompute-all``, ``selective``,
-    ``offload-stash``, ``offload-weights``, ``offload-tags``); a path to a ``.toml`` file; or a dict /
-    TOML table::
+    Accepts a :class:`Policy`; a :class:`StagePolicy` (every stage); a preset name (``save-all``,
+    ``recompute-all``, ``selective``, ``offload-stash``, ``offload-weights``,
+    ``offload-optimizer-state``, ``offload-tags``); a path to a ``.toml`` file; or a dict / TOML table::
 
         base = "selective"                 # the default for every stage (a preset)
-        attn_probs = "offload"             # per-tag decisions for every stage
+        attn_probs = "offload"             # per-tag decisions for every stage (the model's tag names)
         [stage.0]                          # overrides for stage 0
         base = "recompute-all"
         [microbatch.warmup]                # overrides for a microbatch class (warmup, steady, mb3, ...)
@@ -396,8 +516,10 @@ def from_spec(spec) -> Policy:
         [stage.1.microbatch.warmup]        # stage 1's warmup microbatches only
         base = "recompute-all"
 
-    >>> from_spec("recompute-all").default.save
-    frozenset()
+    Tag names are checked against the model's declared tags when the policy is resolved.
+
+    >>> from_spec("recompute-all").default.base
+    'recompute-all'
     >>> from_spec({"base": "save-all", "stage": {"0": "recompute-all"}}).stages[0][0]
     0
     """
@@ -410,26 +532,15 @@ def from_spec(spec) -> Policy:
     if isinstance(spec, (str, os.PathLike)):
         text = str(spec).strip()
         if text.lower().endswith(".toml"):
-            from jaxmem.cli._common import load_toml
+            from jaxmem._util import load_toml
 
             policy = from_spec(load_toml(text))
             return dataclasses.replace(policy, name=os.path.basename(text))
         return Policy(default=_stage_policy_from(text, "policy"), name=text.lower())
     if isinstance(spec, Mapping):
-        known = {
-            "base",
-            "tags",
-            "offload_stash",
-            "offload_weights",
-            "offload_optimizer_state",
-            "stage",
-            "microbatch",
-            "name",
-        } | set(ALL_TAGS)
-        unknown = set(spec) - known
-        if unknown:
-            raise PolicyError(f"policy: unknown keys {sorted(unknown)}; valid keys: {', '.join(sorted(known))}")
-        top = {k: v for k, v in spec.items() if k not in ("stage", "microbatch", "name")}
+        sections = ("stage", "microbatch", "name")
+        _tag_decisions(spec, "policy", reserved=sections)
+        top = {k: v for k, v in spec.items() if k not in sections}
         default = _stage_policy_from(top, "policy")
         stages, stage_mb, micro = [], [], []
         for key, value in dict(spec.get("stage", {})).items():

@@ -126,15 +126,20 @@ class _Program:
 
 
 class AdaptiveProfiler:
-    """Wraps the pipelined train step of a :class:`jaxmem.train.Trainer` and keeps every program it
-    runs within ``budget_bytes`` of device memory per device.
+    """Wraps a pipelined train step and keeps every program it runs within ``budget_bytes`` of device
+    memory per device.
 
-    ``step(state, tokens, targets, drop_layers=frozenset())`` runs one step; the signature is the
-    batch shape, the dropped layers, and (``fingerprint=True``) a hash of the traced program.
+    ``step(state, batch, drop_layers=frozenset())`` runs one step (``state`` has ``params``,
+    ``opt_state`` and ``step``); the signature is the batch's shapes, the dropped layers, and
+    (``fingerprint=True``) a hash of the traced program.
 
     Args:
-        trainer: owns the mesh, optimizer and parameter layout (its schedule and stages are kept).
+        pipeline: the base pipeline (its model, schedule, mesh and stage split are kept; the policy
+            is what the profiler chooses).
         budget_bytes: device bytes per device every compiled program must fit.
+        build_step: ``(pipeline, batch_spec) -> jitted step`` taking ``(params, opt_state, batch)``
+            and returning ``(params, opt_state, loss)`` (e.g. :meth:`jaxmem.train.Trainer.build_step`).
+        batch_sharding: how a batch is laid out over the mesh (default: split over ``data``).
         policies: the escalation ladder, cheapest first.
         fingerprint: also hash the traced program (for Python control flow the arguments do not show).
         hardware: profile for the cost model (default: this machine's CPU, measured).
@@ -149,9 +154,11 @@ class AdaptiveProfiler:
 
     def __init__(
         self,
-        trainer,
+        pipeline,
         budget_bytes: float,
         *,
+        build_step: Callable,
+        batch_sharding=None,
         policies=None,
         fingerprint: bool = False,
         hardware=None,
@@ -160,9 +167,14 @@ class AdaptiveProfiler:
         horizon: int | None = None,
         payback: float = 10.0,
     ):
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
         from jaxmem.memory import get_hardware
 
-        self.trainer = trainer
+        self.base = pipeline
+        self.build_step = build_step
+        self.batch_sharding = batch_sharding or NamedSharding(pipeline.mesh, P("data"))
         self.budget = float(budget_bytes)
         if policies is None:
             policies = CPU_LADDER if jax.devices()[0].platform == "cpu" else LADDER
@@ -183,8 +195,12 @@ class AdaptiveProfiler:
         self._settled = 0  # probes settled so far (each may change what is worth exploring)
 
     # ----------------------------------------------------------------- signature
-    def signature(self, tokens, drop_layers=frozenset(), fingerprint_fn=None) -> tuple:
+    def signature(self, batch, drop_layers=frozenset(), fingerprint_fn=None) -> tuple:
+        tokens = batch["tokens"]
         sig = (tuple(tokens.shape), str(tokens.dtype), tuple(sorted(drop_layers)))
+        extra = tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items() if k != "tokens"))
+        if extra != (("targets", tuple(tokens.shape), str(tokens.dtype)),):
+            sig += (extra,)
         if self.fingerprint and fingerprint_fn is not None:
             # A fresh function each time: tracing caches by function identity, which would hide
             # exactly the Python-side changes this is meant to see.
@@ -198,17 +214,17 @@ class AdaptiveProfiler:
         text = f"batch {shape[0]} x seq {shape[1]}"
         if drop:
             text += f", drop layers {list(drop)}"
-        if len(sig) > 3:
-            text += f", program {sig[3]}"
+        for extra in sig[3:]:
+            text += f", program {extra}" if isinstance(extra, str) else f", batch {[k for k, *_ in extra]}"
         return text
 
     # ----------------------------------------------------------------- profiling
     def _pipeline(self, policy: str, drop_layers):
         from jaxmem.pipeline import Pipeline
 
-        base = self.trainer.pipeline
+        base = self.base
         return Pipeline(
-            base.config,
+            base.model,
             base.schedule,
             base.mesh,
             layer_counts=base.layer_counts,
@@ -219,32 +235,22 @@ class AdaptiveProfiler:
     def predict(self, policy: str, batch: int, seq: int, drop_layers) -> tuple[float, float, float]:
         """(predicted device bytes, expected step seconds, simulated step seconds) of a policy, without
         compiling; expected = simulated x the measured correction for that policy (when known)."""
-        from jaxmem.memory import predict
-        from jaxmem.memory._cost import state_transfer_seconds, step_costs
-        from jaxmem.policy import from_spec
-        from jaxmem.schedule import simulate
+        from jaxmem.memory import estimate
 
-        base = self.trainer.pipeline
-        schedule = base.schedule
-        ledger = predict(
-            base.config,
-            schedule,
+        base = self.base
+        result = estimate(
+            base.model,
+            base.schedule,
             policy,
             batch=batch,
             seq=seq,
-            data_parallel=self.trainer.config.data_parallel,
+            data_parallel=base.data,
             layer_counts=base.layer_counts,
             drop_layers=drop_layers,
+            hardware=self.hardware,
         )
-        resolved = from_spec(policy).resolve(schedule)
-        mb = batch // (self.trainer.config.data_parallel * schedule.num_microbatches)
-        costs = step_costs(
-            base.config, schedule, resolved, base.layer_counts, microbatch=mb, seq=seq, hardware=self.hardware
-        )
-        seconds = simulate(schedule, costs).makespan + state_transfer_seconds(
-            base.config, schedule, resolved, base.layer_counts, self.hardware
-        )
-        return ledger.max_device_bytes, seconds * self._factor(policy), seconds
+        seconds = result.step_seconds
+        return result.device_bytes, seconds * self._factor(policy), seconds
 
     def _factor(self, policy: str) -> float:
         known = list(self.correction.values())
@@ -260,23 +266,13 @@ class AdaptiveProfiler:
                     best = (distance, program.policy)
         return best[1] if best else None
 
-    def _compiled_bytes(self, compiled, pipeline, batch, seq) -> int:
+    @staticmethod
+    def _compiled_bytes(compiled, pipeline, batch) -> int:
         """memory_analysis() total, minus bytes placed on host that XLA:CPU counts as device."""
-        analysis = compiled.memory_analysis()
-        total = (
-            analysis.argument_size_in_bytes
-            + analysis.temp_size_in_bytes
-            + analysis.output_size_in_bytes
-            - analysis.alias_size_in_bytes
-        )
-        if jax.devices()[0].platform == "cpu":
-            import numpy as np
+        from jaxmem.memory import compiled_bytes, host_bytes_counted_as_device
 
-            tick, _ = pipeline.program(batch, seq)
-            for key, length in zip(tick.stash_keys, tick.arena_elems):
-                if key[1] == "host":
-                    total -= length * np.dtype(key[0]).itemsize
-        return int(total)
+        tick, _ = pipeline.program(batch)
+        return int(compiled_bytes(compiled) - host_bytes_counted_as_device(tick))
 
     @staticmethod
     def _abstract(state) -> tuple:
@@ -285,18 +281,22 @@ class AdaptiveProfiler:
 
         return jax.tree.map(spec, state.params), jax.tree.map(spec, state.opt_state)
 
-    def _compile(self, pipeline, batch: int, seq: int, abstract_state: tuple):
+    def _batch_spec(self, batch) -> dict:
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
+
+    def _compile(self, pipeline, batch, abstract_state: tuple):
         start = time.perf_counter()
-        step = self.trainer.build_step(pipeline, batch, seq)
-        tokens = jax.ShapeDtypeStruct((batch, seq), jax.numpy.int32, sharding=self.trainer.batch_sharding)
-        compiled = step.lower(*abstract_state, tokens, tokens).compile()
+        spec = self._batch_spec(batch)
+        step = self.build_step(pipeline, spec)
+        compiled = step.lower(*abstract_state, spec).compile()
         self.compile_count += 1
         self.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
-    def _adapt(self, sig: tuple, batch: int, seq: int, drop_layers, state) -> _Program:
+    def _adapt(self, sig: tuple, batch, drop_layers, state) -> _Program:
         start = time.perf_counter()
-        predictions = {p: self.predict(p, batch, seq, drop_layers) for p in self.policies}
+        size, seq = batch["tokens"].shape
+        predictions = {p: self.predict(p, size, seq, drop_layers) for p in self.policies}
         neighbour = self._neighbour_policy(sig)
         # Fastest predicted-to-fit policy; among equals, the neighbour's (a near-identical signature).
         fitting = [p for p in self.policies if predictions[p][0] * self.margin <= self.budget]
@@ -310,8 +310,8 @@ class AdaptiveProfiler:
         choice = min(fitting, key=lambda p: (round(predictions[p][1], 9), p != neighbour, self.policies.index(p)))
         abstract_state = self._abstract(state)
         pipeline = self._pipeline(choice, drop_layers)
-        compiled = self._compile(pipeline, batch, seq, abstract_state)
-        measured = self._compiled_bytes(compiled, pipeline, batch, seq)
+        compiled = self._compile(pipeline, batch, abstract_state)
+        measured = self._compiled_bytes(compiled, pipeline, batch)
         compiles, escalated = 1, False
         self.margin = max(1.0, self.margin * 0.5 + 0.5 * measured / predictions[choice][0])
         if measured > self.budget:
@@ -329,8 +329,8 @@ class AdaptiveProfiler:
                 )
             choice = min(later, key=lambda p: predictions[p][1])
             pipeline = self._pipeline(choice, drop_layers)
-            compiled = self._compile(pipeline, batch, seq, abstract_state)
-            measured = self._compiled_bytes(compiled, pipeline, batch, seq)
+            compiled = self._compile(pipeline, batch, abstract_state)
+            measured = self._compiled_bytes(compiled, pipeline, batch)
             compiles, escalated = 2, True
             if measured > self.budget:
                 raise BudgetError(
@@ -362,14 +362,15 @@ class AdaptiveProfiler:
         return _Program(choice, compiled, record, predictions)
 
     # ----------------------------------------------------------------- running
-    def step(self, state, tokens, targets, drop_layers=frozenset(), fingerprint_fn=None):
-        """One step through the program for this call's signature (compiled and checked on first sight)."""
+    def step(self, state, batch, drop_layers=frozenset(), fingerprint_fn=None):
+        """One step through the program for this call's signature (compiled and checked on first sight);
+        ``batch`` is a batch dict (``tokens``, ``targets``, ...) of global arrays."""
         begin = time.perf_counter()
-        sig = self.signature(tokens, drop_layers, fingerprint_fn)
+        sig = self.signature(batch, drop_layers, fingerprint_fn)
         program = self.programs.get(sig)
         if program is None:
             self.overhead_seconds += time.perf_counter() - begin
-            program = self._adapt(sig, tokens.shape[0], tokens.shape[1], frozenset(drop_layers), state)
+            program = self._adapt(sig, batch, frozenset(drop_layers), state)
             self.programs[sig] = program
             begin = time.perf_counter()
         self.calls += 1
@@ -380,7 +381,7 @@ class AdaptiveProfiler:
         probing = probe is not None and len(probe.times) < PROBE_STEPS
         run = probe.future.result()[0] if probing else program.step
         start = time.perf_counter()
-        params, opt_state, loss = run(state.params, state.opt_state, tokens, targets)
+        params, opt_state, loss = run(state.params, state.opt_state, batch)
         jax.block_until_ready(loss)
         end = time.perf_counter()
         elapsed = end - start
@@ -397,7 +398,7 @@ class AdaptiveProfiler:
                     self._settle(program)
             elif quiet:
                 self._refine(record)
-            self._maybe_explore(program, tokens.shape, sig[2], state)
+            self._maybe_explore(program, batch, sig[2], state)
         self.overhead_seconds += (start - begin) + (time.perf_counter() - end)
         return state, loss
 
@@ -410,7 +411,7 @@ class AdaptiveProfiler:
             self.correction[record.policy] = ratio if factor is None else 0.8 * factor + 0.2 * ratio
 
     # ----------------------------------------------------------------- exploring
-    def _maybe_explore(self, program: _Program, shape, drop_layers, state) -> None:
+    def _maybe_explore(self, program: _Program, batch, drop_layers, state) -> None:
         """Perhaps start compiling, in the background, another policy for this signature: one measured
         faster elsewhere (to switch to), or else the fastest-predicted one never measured (to learn
         its real cost). Looked at again whenever a probe has settled, until the signature has had its
@@ -457,10 +458,11 @@ class AdaptiveProfiler:
             reason = "never measured"
         pipeline = self._pipeline(policy, frozenset(drop_layers))
         abstract_state = self._abstract(state)
+        spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
         def build():
-            compiled = self._compile(pipeline, *shape, abstract_state)
-            return compiled, self._compiled_bytes(compiled, pipeline, *shape)
+            compiled = self._compile(pipeline, spec, abstract_state)
+            return compiled, self._compiled_bytes(compiled, pipeline, spec)
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxmem-profiler")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Mapping
+
 from jaxmem.schedule._action import Action, Kind
 from jaxmem.schedule._table import Schedule, ScheduleError, dependencies, position_index
 
@@ -145,9 +149,10 @@ def _check_completeness(schedule: Schedule) -> None:
                 )
 
 
-def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
+def lockstep_ticks(schedule: Schedule) -> Mapping[Action, int]:
     """Run the per-rank orders in lockstep: each tick, every rank runs its next action if all of that
-    action's inputs were produced in an earlier tick. Returns the tick of every action.
+    action's inputs were produced in an earlier tick. Returns the tick of every action (read-only;
+    cached per schedule, since planners ask for the same schedules many times).
 
     This is the timing the executor uses (one action per rank per tick, results exchanged between
     ticks) and the deadlock check of :func:`validate`.
@@ -155,6 +160,15 @@ def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
     Raises:
         ScheduleError: when no rank can make progress, with the chain of waits that blocks it.
     """
+    return _lockstep_ticks(schedule)
+
+
+@functools.lru_cache(maxsize=512)
+def _lockstep_ticks(schedule: Schedule) -> Mapping[Action, int]:
+    return types.MappingProxyType(_run_lockstep(schedule))
+
+
+def _run_lockstep(schedule: Schedule) -> dict[Action, int]:
     compact = [schedule.actions(r) for r in range(schedule.num_ranks)]
     present = set(schedule.actions())
     deps = {a: dependencies(a, schedule, present) for a in present}

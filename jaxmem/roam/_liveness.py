@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.plan._graph import Graph
+from jaxmem.roam._graph import Graph
 
 __all__ = ["Liveness", "check_order", "lifetimes", "peak"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 
-from jaxmem.plan._caching import simulate_caching_allocator
-from jaxmem.plan._graph import Graph, build_graph, fuse_elementwise
-from jaxmem.plan._layout import check_layout, greedy_by_size, improve_layout
-from jaxmem.plan._liveness import lifetimes
-from jaxmem.plan._order import plan_order
+from jaxmem.layout import check_layout, greedy_by_size, improve_layout
+from jaxmem.roam._caching import simulate_caching_allocator
+from jaxmem.roam._graph import Graph, build_graph, fuse_elementwise
+from jaxmem.roam._liveness import lifetimes
+from jaxmem.roam._order import plan_order
 
 __all__ = ["analyze_graph", "analyze_step", "xla_bytes"]
 
@@ -24,7 +24,7 @@ def analyze_graph(
     task_ops: int = 10,
     exact_limit: int = 10,
 ) -> dict:
-    """Every baseline and the jaxmem plan for one graph (a JSON-ready dict)."""
+    """Every baseline and the planned execution for one graph (a JSON-ready dict)."""
     program = list(range(graph.num_ops))
     start = time.perf_counter()
     plan = plan_order(graph, task_ops=task_ops, exact_limit=exact_limit)
@@ -58,7 +58,7 @@ def analyze_graph(
         "xla_bytes": None,
     }
     if ilp:
-        from jaxmem.plan._ilp import solve_ilp
+        from jaxmem.roam._ilp import solve_ilp
 
         result = solve_ilp(graph, time_limit=ilp_time_limit)
         record["ilp_peak_bytes"] = result.arena

@@ -13,8 +13,8 @@ import dataclasses
 
 import jax
 
-from jaxmem.plan._graph import Graph
-from jaxmem.plan._liveness import peak
+from jaxmem.roam._graph import Graph
+from jaxmem.roam._liveness import peak
 
 __all__ = ["SegmentedRun", "run_segmented"]
 

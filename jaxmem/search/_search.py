@@ -1,10 +1,10 @@
-"""The planner: the fastest (simulated) schedule x microbatches x policy whose predicted per-rank device
-bytes fit a budget.
+"""The configuration search (``jaxmem plan``): the fastest (simulated) pipeline size x schedule x
+microbatches x policy whose predicted per-rank device bytes fit a budget.
 
-Every candidate is scored by the same two models: the analytical memory ledger (``jaxmem.memory``)
-and the schedule simulator with FLOP-derived costs, recompute and host transfers on a hardware
-profile. Nothing is compiled. When nothing fits, the plan says so and gives the smallest budget that
-would fit one of the candidates.
+Every candidate is scored by :func:`jaxmem.memory.estimate`: the predicted memory ledger and the
+schedule simulator with FLOP costs, recompute and host transfers on a hardware profile, from the
+model's facts (traced, or the GPT's closed form). Nothing is compiled. When nothing fits, the result
+says so and gives the smallest budget that would fit one of the candidates.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import dataclasses
 import math
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import human_bytes
 
-__all__ = ["Candidate", "Plan", "PlanError", "plan", "evaluate"]
+__all__ = ["Candidate", "SearchError", "SearchResult", "candidate_schedules", "chronos_moves", "evaluate", "search"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "chronos")
 POLICIES = ("save-all", "selective", "recompute-all", "chronos-recomp", "chronos-offload", "chronos-both")
 
 
-class PlanError(JaxmemError):
+class SearchError(JaxmemError):
     """No candidate fits the budget; says by how much and the smallest budget that would fit."""
 
     def __init__(self, message: str, smallest_budget: float | None):
@@ -64,7 +65,9 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SearchResult:
+    """The candidates scored, the best that fits (or None), and why."""
+
     best: Candidate | None
     candidates: tuple[Candidate, ...]
     budget_bytes: float
@@ -124,30 +127,33 @@ CHRONOS_MOVES = {
 }
 
 
-def chronos_moves(config, schedule, counts, *, microbatch: int, seq: int, hardware, allowed) -> list:
+def chronos_moves(model, schedule, counts, *, microbatch: int, seq: int, hardware, allowed, facts=None) -> list:
     """The memory moves with their cost in seconds per byte saved, for a typical (middle) stage."""
-    from jaxmem.memory._model import stage_counts, stage_residual_bytes
-    from jaxmem.policy._chronos import Move
-    from jaxmem.policy._policy import PRESETS
+    from jaxmem.memory import model_facts
+    from jaxmem.policy import PRESETS, Move
 
+    facts = facts or model_facts(model)
     stage = min(1, schedule.num_stages - 1)
-    layers = counts[stage]
-    save = stage_residual_bytes(
-        config, layers=layers, first=stage == 0, last=False, microbatch=microbatch, seq=seq, policy=PRESETS["save-all"]
-    )[0]
+
+    def stage_facts(name):
+        return facts.stage(
+            first=stage == 0,
+            last=False,
+            layers=counts[stage],
+            policy=PRESETS[name].bind(model.tags),
+            microbatch=microbatch,
+            seq=seq,
+        )
+
+    save = stage_facts("save-all").stash_bytes("device")
     moves = []
     for name in allowed:
         if name == "offload-stash":
             seconds_per_byte = 0.0  # only cells whose wait hides the round trip
         elif name in ("selective", "recompute-all"):
-            sp = PRESETS[name]
-            kept = stage_residual_bytes(
-                config, layers=layers, first=stage == 0, last=False, microbatch=microbatch, seq=seq, policy=sp
-            )[0]
-            counts = stage_counts(config, layers=layers, first=stage == 0, last=False, seq=seq, policy=sp)
-            flops = counts.recompute_flops * microbatch
-            saved = max(save - kept, 1)
-            seconds_per_byte = flops / hardware.flops_per_second / saved
+            moved = stage_facts(name)
+            saved = max(save - moved.stash_bytes("device"), 1)
+            seconds_per_byte = moved.recompute_flops / hardware.flops_per_second / saved
         else:
             # Read and written back once per step: two link crossings per byte kept on host.
             seconds_per_byte = 2.0 / hardware.host_bandwidth
@@ -155,68 +161,79 @@ def chronos_moves(config, schedule, counts, *, microbatch: int, seq: int, hardwa
     return moves
 
 
-def human_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def evaluate(
-    config, schedule, policy_name: str, *, budget: float, batch: int, seq: int, data: int, hardware, layer_counts=None
+    model, schedule, policy_name: str, *, budget: float, batch: int, seq: int, data: int, hardware, layer_counts=None
 ) -> Candidate:
-    """Score one (schedule, policy) on the memory ledger and the simulator."""
-    from jaxmem.memory import predict
-    from jaxmem.memory._cost import state_transfer_seconds, step_costs
-    from jaxmem.memory._model import stage_residual_bytes
-    from jaxmem.pipeline._split import split_layers
-    from jaxmem.policy._chronos import chronos_policy
-    from jaxmem.policy._policy import PRESETS, from_spec
-    from jaxmem.schedule import simulate
+    """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``chronos-*`` policies are
+    generated for the budget first (Chronos-Recomp/Offload)."""
+    from jaxmem.memory import estimate, get_hardware, model_facts, predict
+    from jaxmem.models import get_model
+    from jaxmem.pipeline import split_layers
+    from jaxmem.policy import PRESETS, chronos_policy, from_spec
 
-    counts = split_layers(config.n_layers, schedule.num_stages, layer_counts)
+    model = get_model(model)
+    facts = model_facts(model)
+    hardware = get_hardware(hardware)
+    counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
     mb = batch // (data * schedule.num_microbatches)
 
-    def device_bytes(policy) -> float:
-        return predict(
-            config, schedule, policy, batch=batch, seq=seq, data_parallel=data, layer_counts=counts
-        ).max_device_bytes
+    def run(policy):
+        return estimate(
+            model,
+            schedule,
+            policy,
+            batch=batch,
+            seq=seq,
+            data_parallel=data,
+            layer_counts=counts,
+            hardware=hardware,
+            facts=facts,
+        )
 
-    base_costs = step_costs(
-        config, schedule, from_spec("save-all").resolve(schedule), counts, microbatch=mb, seq=seq, hardware=hardware
-    )
     note = ""
     if policy_name in CHRONOS_MOVES:
         moves = chronos_moves(
-            config, schedule, counts, microbatch=mb, seq=seq, hardware=hardware, allowed=CHRONOS_MOVES[policy_name]
+            model,
+            schedule,
+            counts,
+            microbatch=mb,
+            seq=seq,
+            hardware=hardware,
+            allowed=CHRONOS_MOVES[policy_name],
+            facts=facts,
         )
         last = schedule.num_stages - 1
+        save_all = PRESETS["save-all"].bind(model.tags)
 
         def round_trip(s, m):
-            stash = stage_residual_bytes(
-                config,
-                layers=counts[s],
-                first=s == 0,
-                last=s == last,
-                microbatch=mb,
-                seq=seq,
-                policy=PRESETS["save-all"],
-            )[0]
+            stash = facts.stage(
+                first=s == 0, last=s == last, layers=counts[s], policy=save_all, microbatch=mb, seq=seq
+            ).stash_bytes("device")
             return 2 * stash / hardware.host_bandwidth
 
+        def device_bytes(policy) -> float:
+            return predict(
+                model, schedule, policy, batch=batch, seq=seq, data_parallel=data, layer_counts=counts, facts=facts
+            ).max_device_bytes
+
         choice = chronos_policy(
-            schedule, device_bytes, budget, base_costs, moves, stash_seconds_round_trip=round_trip, name=policy_name
+            schedule,
+            device_bytes,
+            budget,
+            run("save-all").costs,
+            moves,
+            stash_seconds_round_trip=round_trip,
+            name=policy_name,
         )
         policy = choice.policy
         note = choice.describe()
     else:
         policy = from_spec(policy_name)
-    resolved = from_spec(policy).resolve(schedule)
-    ledger = predict(config, schedule, policy, batch=batch, seq=seq, data_parallel=data, layer_counts=counts)
-    costs = step_costs(config, schedule, resolved, counts, microbatch=mb, seq=seq, hardware=hardware)
-    sim = simulate(schedule, costs)
-    step = sim.makespan + state_transfer_seconds(config, schedule, resolved, counts, hardware)
+    result = run(policy)
     return Candidate(
         schedule=schedule.name,
         virtual=schedule.num_stages // schedule.num_ranks if schedule.num_stages > schedule.num_ranks else None,
@@ -225,17 +242,17 @@ def evaluate(
         microbatches=schedule.num_microbatches,
         policy_name=policy_name,
         policy=policy,
-        device_bytes=ledger.max_device_bytes,
-        host_bytes=max(r.host_bytes for r in ledger.ranks),
-        step_seconds=step,
-        tokens_per_second=batch * seq / step,
-        fits=ledger.max_device_bytes <= budget,
+        device_bytes=result.device_bytes,
+        host_bytes=result.host_bytes,
+        step_seconds=result.step_seconds,
+        tokens_per_second=result.tokens_per_second,
+        fits=result.device_bytes <= budget,
         note=note,
     )
 
 
-def candidate_schedules(config, devices: int, batch: int, schedules=SCHEDULES, pipes=None, microbatches=None):
-    """(schedule, data) pairs the planner considers: pipe sizes dividing the devices, stage counts
+def candidate_schedules(model, devices: int, batch: int, schedules=SCHEDULES, pipes=None, microbatches=None):
+    """(schedule, data) pairs the search considers: pipe sizes dividing the devices, stage counts
     dividing the layers, microbatch counts dividing the per-replica batch."""
     from jaxmem.schedule import ScheduleError, generate
 
@@ -249,7 +266,7 @@ def candidate_schedules(config, devices: int, batch: int, schedules=SCHEDULES, p
         for name in schedules:
             virtual = 2 if name in ("interleaved-1f1b",) else None
             stages = pipe * (2 if name in ("interleaved-1f1b", "zbv", "chronos", "v-half", "v-min") else 1)
-            if config.n_layers % stages:
+            if model.n_layers % stages:
                 continue
             for m in ms:
                 if local % m:
@@ -261,8 +278,8 @@ def candidate_schedules(config, devices: int, batch: int, schedules=SCHEDULES, p
     return out
 
 
-def plan(
-    config,
+def search(
+    model,
     *,
     devices: int,
     budget_bytes: float,
@@ -273,17 +290,18 @@ def plan(
     policies=POLICIES,
     pipes=None,
     microbatches=None,
-    model_name: str = "",
     progress=None,
-) -> Plan:
+) -> SearchResult:
     """Search schedules x microbatches x policies; the fastest simulated candidate that fits wins."""
     from jaxmem.memory import get_hardware
+    from jaxmem.models import get_model
 
+    model = get_model(model)
     hw = get_hardware(hardware)
-    pairs = candidate_schedules(config, devices, batch, schedules, pipes, microbatches)
+    pairs = candidate_schedules(model, devices, batch, schedules, pipes, microbatches)
     if not pairs:
         raise JaxmemError(
-            f"no schedule fits {devices} devices, {config.n_layers} layers and batch {batch}: the pipeline "
+            f"no schedule fits {devices} devices, {model.n_layers} layers and batch {batch}: the pipeline "
             "size must divide the devices, the stages must divide the layers, the batch must divide into "
             "data x microbatches"
         )
@@ -293,7 +311,7 @@ def plan(
             progress(i, len(pairs), schedule)
         seen = {}
         for name in policies:
-            cand = evaluate(config, schedule, name, budget=budget_bytes, batch=batch, seq=seq, data=data, hardware=hw)
+            cand = evaluate(model, schedule, name, budget=budget_bytes, batch=batch, seq=seq, data=data, hardware=hw)
             # A generated policy that changed nothing is the preset it started from: keep one of them.
             key = (round(cand.device_bytes), round(cand.step_seconds, 12), round(cand.host_bytes))
             if key in seen:
@@ -302,11 +320,11 @@ def plan(
             candidates.append(cand)
     fitting = [c for c in candidates if c.fits]
     best = max(fitting, key=lambda c: (c.tokens_per_second, -c.device_bytes)) if fitting else None
-    return Plan(
+    return SearchResult(
         best=best,
         candidates=tuple(candidates),
         budget_bytes=budget_bytes,
         hardware=hw.to_json(),
-        model=model_name,
+        model=model.name,
         devices=devices,
     )

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jaxmem.plan._graph import Graph
-from jaxmem.plan._liveness import check_order, peak
+from jaxmem.roam._graph import Graph
+from jaxmem.roam._liveness import check_order, peak
 
 __all__ = ["OrderPlan", "plan_order"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from jaxmem.plan._graph import Graph, Op
+from jaxmem.roam._graph import Graph, Op
 
 __all__ = ["random_dag"]
 

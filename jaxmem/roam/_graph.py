@@ -100,7 +100,7 @@ def _program_order_peak(jaxpr) -> int:
     """Peak bytes of a (closed) jaxpr's intermediates in program order (for ops left whole)."""
     inner = getattr(jaxpr, "jaxpr", jaxpr)
     graph = build_graph(inner, donated=(), inputs_are_free=True)
-    from jaxmem.plan._liveness import peak
+    from jaxmem.roam._liveness import peak
 
     return peak(graph, list(range(graph.num_ops))).peak
 

@@ -105,7 +105,7 @@ class CachingAllocator:
 
 def simulate_caching_allocator(graph, order) -> int:
     """Peak reserved bytes when ``order`` runs eagerly on a caching allocator (inputs allocated first)."""
-    from jaxmem.plan._liveness import lifetimes
+    from jaxmem.roam._liveness import lifetimes
 
     intervals = lifetimes(graph, order)
     alloc = CachingAllocator()

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from jaxmem.plan._graph import Graph
+from jaxmem.roam._graph import Graph
 
 __all__ = ["IlpResult", "solve_ilp"]
 

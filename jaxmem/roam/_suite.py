@@ -1,5 +1,5 @@
-"""Train-step graphs to plan: a GPT with an Adam update (abstractly traced for the big presets), and a
-multi-branch model where operator order matters."""
+"""Train-step graphs to plan: any model's plain train step with an Adam update (abstractly traced, so the
+big presets are never allocated), and a multi-branch model where operator order matters."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxmem.models.gpt import GPT, GPTConfig, get_config
+from jaxmem.models import get_model, make_batch
 
-__all__ = ["TrainStep", "gpt_train_step", "experts_train_step"]
+__all__ = ["TrainStep", "experts_train_step", "model_train_step"]
 
 
 @dataclasses.dataclass
@@ -57,23 +57,21 @@ def _adam_step(loss_of, params, batch_args, name: str, init_params) -> TrainStep
     return TrainStep(name, step, (params, opt_state, *batch_args), donated, make_args)
 
 
-def gpt_train_step(model: str | GPTConfig = "tiny", *, batch: int = 4, seq: int | None = None) -> TrainStep:
-    """The plain (unpipelined) train step of a GPT preset with Adam, traced with abstract arrays."""
-    config = get_config(model)
-    seq = seq or config.max_seq_len
-    abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.graphdef(abstract), nnx.to_pure_dict(nnx.state(abstract))
+def model_train_step(model="tiny", *, batch: int = 4, seq: int | None = None) -> TrainStep:
+    """The plain (unpipelined) train step of a model (a preset name, config or StagedModel) with Adam,
+    traced with abstract arrays."""
+    model = get_model(model)
+    seq = seq or model.max_seq_len or 64
+    model.check_batch(seq)
+    params = model.abstract_params()
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def loss_of(p, tokens, targets):
-        return nnx.merge(graphdef, p).loss(tokens, targets)
+        return model.plain_loss(p, make_batch(tokens, targets))
 
-    name = model if isinstance(model, str) else "gpt"
-
-    def init_params(seed):
-        return nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(seed))))
-
-    return _adam_step(loss_of, params, (tokens, tokens), f"{name} train step (batch {batch}, seq {seq})", init_params)
+    return _adam_step(
+        loss_of, params, (tokens, tokens), f"{model.name} train step (batch {batch}, seq {seq})", model.init
+    )
 
 
 class Experts(nnx.Module):

@@ -1,0 +1,60 @@
+"""Small helpers every layer may use (floor 0: imports nothing from jaxmem but the errors)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from jaxmem._errors import JaxmemError
+
+__all__ = ["human_bytes", "load_toml", "parse_bytes", "parse_int_list"]
+
+
+def load_toml(path: str) -> dict:
+    """A TOML file as a dict; a missing or malformed file is a :class:`JaxmemError` naming it."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise JaxmemError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise JaxmemError(f"config file {path!r} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise JaxmemError(f"cannot read config file {path!r}: {e.strerror or e}") from None
+
+
+def human_bytes(n: float) -> str:
+    """``1.50 GiB`` or ``12.00 MiB``."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise JaxmemError(f"{flag} takes comma-separated integers like 3,3,2; got {text!r}") from None
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str, flag: str = "--budget") -> float:
+    """'24GiB', '512 MiB', '8e9', '1.5GB' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise JaxmemError(f"{flag} takes a size like 24GiB, 512MiB, 8e9 or 1.5GB; got {text!r}")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise JaxmemError(f"{flag} must be > 0, got {text!r}")
+    return value

@@ -1,0 +1,238 @@
+"""What the ledger and the planners need to know about a model, from compile-time facts only.
+
+For a stage (its role, its number of layers, a bound memory policy) and a sequence length:
+
+- the residuals one microbatch stashes from forward to backward, per buffer ``(dtype, memory
+  space)`` -- from the jaxpr of the stage's ``jax.vjp`` under the policy's ``jax.checkpoint``
+  (:func:`jaxmem.pipeline.analyze_stage`, the executor's own analysis);
+- the FLOPs of its forward and of its backward (which includes what the policy recomputes), from
+  ``cost_analysis()`` of the lowered forward and pullback (lowered, never compiled or run);
+- the stage's full activation volume (its save-all stash), which sizes the backward's working set.
+
+Tracing is abstract and done at one sequence per microbatch: residuals and FLOPs both grow linearly
+with the microbatch (every stashed value carries the batch axis). A stage of more than two layers is
+extrapolated from traces of one and two layers (layers are identical, so each adds the same), which
+keeps a planner's search over a 48-layer model as cheap as over a 2-layer one; a test checks the
+extrapolation against direct traces.
+
+jaxmem's GPT also has closed-form figures (``jaxmem/memory/_model.py``): its residuals are derived from
+which values each op's backward reads, its FLOPs are its matmuls. That fast path is used when a
+model carries it (``StagedModel.analytic``); tests check it against the traced figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+
+import numpy as np
+
+__all__ = ["ModelFacts", "StageFacts", "model_facts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFacts:
+    """One stage-microbatch under one policy.
+
+    Attributes:
+        stash_elems: per buffer ``(dtype, space)``, elements stashed from F to B.
+        full_bytes: bytes the stage would stash under save-all (its activation volume).
+        forward_flops: FLOPs of the forward.
+        backward_flops: FLOPs of the backward, recompute included.
+        recompute_flops: FLOPs the backward spends recomputing what the policy did not keep.
+    """
+
+    stash_elems: dict
+    full_bytes: float
+    forward_flops: float
+    backward_flops: float
+    recompute_flops: float
+
+    def stash_bytes(self, space: str | None = None) -> float:
+        return sum(n * np.dtype(k[0]).itemsize for k, n in self.stash_elems.items() if space in (None, k[1]))
+
+    def scaled(self, factor: float) -> StageFacts:
+        return StageFacts(
+            {k: int(round(v * factor)) for k, v in self.stash_elems.items()},
+            self.full_bytes * factor,
+            self.forward_flops * factor,
+            self.backward_flops * factor,
+            self.recompute_flops * factor,
+        )
+
+    def combine(self, other: StageFacts, a: float, b: float) -> StageFacts:
+        """``a * self + b * other`` (for extrapolating over layers)."""
+        keys = set(self.stash_elems) | set(other.stash_elems)
+        elems = {k: int(round(a * self.stash_elems.get(k, 0) + b * other.stash_elems.get(k, 0))) for k in keys}
+        return StageFacts(
+            {k: v for k, v in elems.items() if v},
+            a * self.full_bytes + b * other.full_bytes,
+            a * self.forward_flops + b * other.forward_flops,
+            a * self.backward_flops + b * other.backward_flops,
+            a * self.recompute_flops + b * other.recompute_flops,
+        )
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+class ModelFacts:
+    """Facts about one :class:`~jaxmem.models.StagedModel`, cached; see the module docstring.
+
+    Attributes:
+        source: ``"analytic"`` (closed form) or ``"traced"``.
+    """
+
+    def __init__(self, model, *, analytic: bool = True):
+        import jax
+
+        from jaxmem.models import GPTConfig
+
+        self.model = model
+        self.gpt = model.analytic if analytic and isinstance(model.analytic, GPTConfig) else None
+        self.source = "analytic" if self.gpt is not None else "traced"
+        abstract = model.abstract_params()
+        layers, shared = model.split(abstract)
+        self._layer = layers[0]
+        self._shared = shared
+        self.layer_bytes = _tree_bytes(layers[0])
+        self.shared_bytes = _tree_bytes(shared)
+        self.param_itemsize = max(np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract))
+        self._cache: dict = {}
+
+    # ------------------------------------------------------------------ model-level
+    def batch(self, microbatch: int, seq: int) -> dict:
+        from jaxmem.pipeline import batch_spec
+
+        return batch_spec(microbatch, seq)
+
+    def message(self, microbatch: int, seq: int):
+        """What one stage sends the next (abstract)."""
+        import jax
+
+        key = ("message", microbatch, seq)
+        if key not in self._cache:
+            self._cache[key] = jax.eval_shape(self.model.embed, self._shared, self.batch(microbatch, seq))
+        return self._cache[key]
+
+    def message_bytes(self, microbatch: int, seq: int) -> int:
+        return _tree_bytes(self.message(microbatch, seq))
+
+    def stage_param_bytes(self, layers: int) -> float:
+        return layers * self.layer_bytes
+
+    # ------------------------------------------------------------------ stages
+    def stage(self, *, first: bool, last: bool, layers: int, policy, microbatch: int, seq: int) -> StageFacts:
+        """Facts of one stage-microbatch (``policy``: a bound stage policy)."""
+        # Where weights and optimizer state live does not change a stage's residuals or FLOPs.
+        policy = dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False)
+        per_sequence = self._per_sequence(first, last, layers, policy, seq)
+        return per_sequence.scaled(microbatch)
+
+    def _per_sequence(self, first, last, layers, policy, seq) -> StageFacts:
+        key = ("stage", first, last, layers, policy, seq)
+        if key in self._cache:
+            return self._cache[key]
+        if self.gpt is not None:
+            facts = self._analytic(first, last, layers, policy, seq)
+        elif layers <= 2:
+            facts = self._traced(first, last, layers, policy, seq)
+        else:
+            # Identical layers: each adds what the second added to the first.
+            one = self._per_sequence(first, last, 1, policy, seq)
+            two = self._per_sequence(first, last, 2, policy, seq)
+            facts = two.combine(one, layers - 1, -(layers - 2))
+        self._cache[key] = facts
+        return facts
+
+    def _analytic(self, first, last, layers, policy, seq) -> StageFacts:
+        from jaxmem.memory._model import forward_flops, stage_counts
+        from jaxmem.policy import PRESETS
+
+        config = self.gpt
+        dtype = np.dtype(config.dtype)
+        count = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=policy)
+        full = stage_counts(
+            config, layers=layers, first=first, last=last, seq=seq, policy=PRESETS["save-all"].bind(self.model.tags)
+        )
+        elems = {(dtype.name, "device"): count.device, (dtype.name, "host"): count.host}
+        forward = float(forward_flops(config, layers=layers, last=last, seq=seq))
+        return StageFacts(
+            {k: v for k, v in elems.items() if v},
+            float((full.device + full.host) * dtype.itemsize),
+            forward,
+            2 * forward + count.recompute_flops,
+            float(count.recompute_flops),
+        )
+
+    def _traced_plan(self, first, last, layers, policy, seq):
+        import jax
+
+        from jaxmem.pipeline import analyze_stage, stage_forward
+
+        key = ("plan", first, last, layers, policy, seq)
+        if key not in self._cache:
+            fn = policy.wrap(stage_forward(self.model, first=first, last=last, layers=layers))
+            stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
+            x = self.message(1, seq)
+            plan = analyze_stage(fn, stage, self._shared, x, self.batch(1, seq), stash_to_host=policy.offload_stash)
+            self._cache[key] = (plan, stage, x)
+        return self._cache[key]
+
+    def _traced(self, first, last, layers, policy, seq) -> StageFacts:
+        from jaxmem.policy import PRESETS
+
+        plan, stage, x = self._traced_plan(first, last, layers, policy, seq)
+        save_all = PRESETS["save-all"].bind(self.model.tags)
+        full_plan = plan if policy == save_all else self._traced_plan(first, last, layers, save_all, seq)[0]
+        forward, backward = self._flops(plan, stage, x, seq, last)
+        full_backward = backward if full_plan is plan else self._flops(full_plan, stage, x, seq, last)[1]
+        return StageFacts(
+            {k: v for k, v in plan.stash_elems.items() if v},
+            float(full_plan.stash_bytes()),
+            forward,
+            backward,
+            max(backward - full_backward, 0.0),
+        )
+
+    def _flops(self, plan, stage, x, seq, last) -> tuple[float, float]:
+        """``cost_analysis()`` FLOPs of the lowered forward and pullback of a traced stage."""
+        import jax
+        import jax.numpy as jnp
+        from jax.extend.core import jaxpr_as_fun
+
+        batch = self.batch(1, seq)
+        flat = jax.tree.leaves(stage) + jax.tree.leaves(self._shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
+        forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
+        packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items()}
+        ct = jax.tree_util.tree_unflatten(
+            plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals]
+        )
+
+        def backward_fn(stage, shared, batch, packed, ct):
+            return plan.pullback(stage, shared, x, batch, packed)(ct)
+
+        backward = _cost_flops(jax.jit(backward_fn).lower(stage, self._shared, batch, packed, ct))
+        return forward, backward
+
+
+def _cost_flops(lowered) -> float:
+    cost = lowered.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("flops", 0.0))
+
+
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_facts(model, *, analytic: bool = True) -> ModelFacts:
+    """The (cached) facts of a model; ``analytic=False`` forces tracing even where a closed form exists."""
+    key = (analytic,)
+    per_model = _FACTS.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = ModelFacts(model, analytic=analytic)
+    return per_model[key]

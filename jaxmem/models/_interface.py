@@ -1,0 +1,397 @@
+"""The model interface every part of jaxmem works through: a model cut where a pipeline cuts it.
+
+A :class:`StagedModel` is a value holding pure functions of parameter pytrees -- an embedding
+prologue, one repeated layer, and a head that returns the loss as ``(loss_sum, weight)`` -- plus how
+to split the model's own parameter tree into per-layer trees and the rest, and the ``checkpoint_name``
+tags its functions emit. The executor, the memory policies, the ledger and the planners need nothing
+else, so any model written this way trains pipelined: :func:`from_nnx` builds one from a Flax NNX
+module without touching jaxmem, and jaxmem's own GPT and Llama are built exactly that way.
+
+A batch is a dict of arrays whose leading axis is the batch: ``tokens`` and ``targets``
+(``[batch, seq]`` int32) and, optionally, ``loss_mask`` (``[batch, seq]``, 1 where a target counts)
+and ``positions`` (``[batch, seq]`` int32, for packed sequences). The executor splits every leaf into
+microbatches along that axis.
+
+The loss of a batch is ``sum(loss_sum) / sum(weight)`` over its microbatches (and data-parallel
+replicas): a mean over the tokens that count, whatever the microbatching. ``weight`` must not depend
+on the parameters (it is the number of counted tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxmem._errors import JaxmemError
+from jaxmem.policy import TagSet
+
+__all__ = [
+    "StagedModel",
+    "batch_positions",
+    "dtype_name",
+    "from_nnx",
+    "make_batch",
+    "named_softmax",
+    "token_loss",
+]
+
+BATCH_KEYS = ("tokens", "targets", "loss_mask", "positions")
+
+
+def dtype_name(value, where: str) -> str:
+    """A floating dtype's canonical name (``bf16`` and ``bfloat16`` alike)."""
+    aliases = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16"}
+    text = aliases.get(str(value).strip().lower(), str(value).strip().lower())
+    try:
+        dtype = jnp.dtype(text)
+    except TypeError:
+        raise JaxmemError(f"{where}: unknown dtype {value!r}; use float32 or bfloat16") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise JaxmemError(f"{where}: {value!r} is not a floating dtype; use float32 or bfloat16")
+    return dtype.name
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def named_softmax(x: jax.Array, name: str, axis: int = -1) -> jax.Array:
+    """``softmax(x)`` in float32, returned in ``x``'s dtype and tagged ``name``, whose backward reads the
+    tagged output.
+
+    ``checkpoint_name(jax.nn.softmax(x), name)`` does not do that: ``jax.nn.softmax``'s custom JVP keeps
+    its own, untagged output as the residual of its backward, so a policy that saves ``name`` still
+    recomputes ``x`` (the attention scores, a matmul) and the softmax in the backward. Here the
+    backward is written against the tagged value: saving the tag saves the recompute, and not saving
+    it recomputes exactly the softmax and what it is computed from.
+
+    >>> named_softmax(jnp.zeros((2, 4)), "probs")[0]
+    Array([0.25, 0.25, 0.25, 0.25], dtype=float32)
+    """
+    return _tagged_softmax(x, name, axis)
+
+
+def _tagged_softmax(x, name, axis):
+    return checkpoint_name(jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype), name)
+
+
+def _named_softmax_fwd(x, name, axis):
+    # Computed inline (not by calling named_softmax), so the tag is visible to jax.checkpoint's policy.
+    y = _tagged_softmax(x, name, axis)
+    return y, y
+
+
+def _named_softmax_bwd(name, axis, y, g):
+    y32, g32 = y.astype(jnp.float32), g.astype(jnp.float32)
+    return ((y32 * (g32 - jnp.sum(y32 * g32, axis=axis, keepdims=True))).astype(y.dtype),)
+
+
+named_softmax.defvjp(_named_softmax_fwd, _named_softmax_bwd)
+
+
+def make_batch(tokens, targets, *, loss_mask=None, positions=None) -> dict:
+    """A batch dict: ``tokens``, ``targets`` and, when given, ``loss_mask`` and ``positions``.
+
+    >>> sorted(make_batch(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), jnp.int32)))
+    ['targets', 'tokens']
+    """
+    batch = {"tokens": tokens, "targets": targets}
+    if loss_mask is not None:
+        batch["loss_mask"] = loss_mask
+    if positions is not None:
+        batch["positions"] = positions
+    return batch
+
+
+def batch_positions(batch: Mapping, seq: int) -> jax.Array:
+    """The batch's ``positions`` if it has them, else ``0 .. seq-1`` (broadcast over the batch)."""
+    positions = batch.get("positions")
+    return jnp.arange(seq, dtype=jnp.int32)[None, :] if positions is None else positions
+
+
+def token_loss(logits: jax.Array, batch: Mapping) -> tuple[jax.Array, jax.Array]:
+    """Next-token cross-entropy ``(loss_sum, weight)`` in float32, masked by ``loss_mask`` if present."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return -jnp.sum(picked), jnp.asarray(picked.size, jnp.float32)
+    mask = jax.lax.stop_gradient(mask.astype(jnp.float32))
+    return -jnp.sum(picked * mask), jnp.sum(mask)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class StagedModel:
+    """A model as a pipeline sees it.
+
+    Attributes:
+        name: shown in reports.
+        n_layers: repeated layers (the unit a pipeline stage holds a number of).
+        init: ``seed -> params`` in the model's own layout (e.g. ``nnx.to_pure_dict`` of its state).
+        split: ``params -> (layers, shared)``: one tree per layer (all of one structure) and the rest.
+        join: the inverse of ``split``.
+        embed: ``(shared, batch) -> x``: the first stage's prologue; ``x`` is any pytree of floating
+            arrays (what one stage sends the next).
+        layer: ``(layer_params, x, batch) -> x``.
+        head_loss: ``(shared, x, batch) -> (loss_sum, weight)``: the last stage's epilogue and loss.
+        tags: the ``checkpoint_name`` tags these functions emit (policies resolve against them; a
+            tag emitted but not declared is an error), with a ``quadratic`` group for ``selective``.
+        loss: ``(params, batch) -> mean loss`` of the whole, unpipelined model -- the reference
+            ``jaxmem verify`` compares gradients with. Default: the three functions composed.
+        vocab_size: token ids are below this (checked against the data).
+        max_seq_len: longest sequence (``None``: no limit).
+        config: the model's own configuration, for reports.
+        analytic: closed-form memory and FLOP figures (jaxmem's GPT has them); ``None``: the ledger
+            and planners trace the functions instead.
+    """
+
+    name: str
+    n_layers: int
+    init: Callable[[int], object]
+    split: Callable[[object], tuple[Sequence, object]]
+    join: Callable[[Sequence, object], object]
+    embed: Callable
+    layer: Callable
+    head_loss: Callable
+    tags: TagSet = TagSet(())
+    loss: Callable | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    config: object = None
+    analytic: object = None
+
+    def __post_init__(self):
+        if not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise JaxmemError(f"model {self.name!r}: n_layers must be an integer >= 1, got {self.n_layers!r}")
+        if not isinstance(self.tags, TagSet):
+            object.__setattr__(self, "tags", TagSet(tuple(self.tags)))
+
+    def __repr__(self) -> str:
+        return f"StagedModel({self.name!r}, {self.n_layers} layers, tags: {self.tags.describe()})"
+
+    def abstract_params(self):
+        """The parameter tree's shapes and dtypes (nothing allocated)."""
+        return jax.eval_shape(lambda: self.init(0))
+
+    def param_count(self) -> int:
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract_params()))
+
+    def plain_loss(self, params, batch) -> jax.Array:
+        """The mean loss of the whole model on a batch, without any pipeline."""
+        if self.loss is not None:
+            return self.loss(params, batch)
+        layers, shared = self.split(params)
+        x = self.embed(shared, batch)
+        for layer_params in layers:
+            x = self.layer(layer_params, x, batch)
+        loss_sum, weight = self.head_loss(shared, x, batch)
+        return loss_sum / weight
+
+    def check_batch(self, seq: int, what: str = "sequence length") -> None:
+        """Raise when ``seq`` exceeds the model's ``max_seq_len``."""
+        if self.max_seq_len is not None and seq > self.max_seq_len:
+            raise JaxmemError(f"{what} {seq} exceeds {self.name}'s max_seq_len {self.max_seq_len}")
+
+
+# --------------------------------------------------------------------------- Flax NNX
+def _get_path(tree, path: tuple[str, ...], what: str):
+    node = tree
+    for i, key in enumerate(path):
+        try:
+            node = node[key] if isinstance(node, Mapping) else getattr(node, key)
+        except (KeyError, AttributeError):
+            raise JaxmemError(
+                f"from_nnx: the model has no {'.'.join(path[: i + 1])!r} ({what}); pass layers='attribute.path' "
+                "naming the list of repeated layers, e.g. layers='blocks' or layers='model.layers'"
+            ) from None
+    return node
+
+
+def _state_paths(state) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state)]
+
+
+def from_nnx(
+    model,
+    *,
+    layers: str,
+    embed: Callable,
+    head_loss: Callable,
+    tags: TagSet | Sequence[str],
+    call_layer: Callable | None = None,
+    loss: Callable | None = None,
+    name: str = "custom",
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    config: object = None,
+    analytic: object = None,
+) -> StagedModel:
+    """A :class:`StagedModel` from a Flax NNX module, using the module's own code for the math.
+
+    Args:
+        model: the module, or a factory ``rngs -> module`` (then ``init(seed)`` builds a fresh one
+            with ``nnx.Rngs(seed)``; with a module, ``init`` returns its current parameters).
+        layers: attribute path of the repeated layers (an ``nnx.List`` of modules of one structure),
+            e.g. ``"blocks"`` or ``"model.layers"``.
+        embed: ``(module, batch) -> x``: the prologue, called on the model without its layers.
+        head_loss: ``(module, x, batch) -> (loss_sum, weight)``, also on the model without its layers
+            (:func:`token_loss` computes both from logits).
+        tags: the ``checkpoint_name`` tags the model emits, or a :class:`TagSet` with groups
+            (``quadratic``: what ``selective`` recomputes).
+        call_layer: ``(layer, x, batch) -> x``; default ``layer(x)``.
+        loss: ``(module, batch) -> mean loss`` of the whole model, the gradient reference for
+            ``verify`` (default: the pieces composed).
+        name, vocab_size, max_seq_len, config, analytic: as in :class:`StagedModel`.
+
+    Only ``nnx.Param`` variables are trained. A model with other state (batch statistics, RNG
+    streams for dropout) is refused with the variables named: the pipelined step does not carry
+    state between stages yet.
+
+    >>> from flax import nnx
+    >>> class Net(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.embed = nnx.Embed(16, 8, rngs=rngs)
+    ...         self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(4)])
+    ...         self.head = nnx.Linear(8, 16, rngs=rngs)
+    >>> staged = from_nnx(
+    ...     Net,
+    ...     layers="blocks",
+    ...     embed=lambda m, batch: m.embed(batch["tokens"]),
+    ...     head_loss=lambda m, x, batch: token_loss(m.head(x), batch),
+    ...     tags=(),
+    ... )
+    >>> staged.n_layers, len(staged.split(staged.init(0))[0])
+    (4, 4)
+    """
+    from flax import nnx
+
+    factory = None if isinstance(model, nnx.Module) else model
+    if factory is not None and not callable(factory):
+        raise JaxmemError(f"from_nnx takes an nnx.Module or a factory rngs -> module, got {type(model).__name__}")
+    abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0))) if factory is not None else model
+    if not isinstance(abstract, nnx.Module):
+        raise JaxmemError(f"from_nnx: the factory returned {type(abstract).__name__}, not an nnx.Module")
+    path = tuple(p for p in str(layers).split(".") if p)
+    node = _get_path(abstract, path, "the repeated layers")
+    if isinstance(node, nnx.Module) and not isinstance(node, nnx.List) or not isinstance(node, (Sequence, nnx.List)):
+        raise JaxmemError(
+            f"from_nnx: {layers!r} is a {type(node).__name__}, not a list of layer modules; name the nnx.List "
+            "that holds the repeated layers"
+        )
+    layer_modules = list(node)
+    if not layer_modules or not all(isinstance(m, nnx.Module) for m in layer_modules):
+        raise JaxmemError(f"from_nnx: {layers!r} holds no layer modules")
+
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    others = _state_paths(rest)
+    if others:
+        raise JaxmemError(
+            f"from_nnx: the model has state other than nnx.Param ({', '.join(others[:4])}"
+            f"{', ...' if len(others) > 4 else ''}); jaxmem trains parameters only and does not carry "
+            "other state (dropout RNG streams, batch statistics) through the pipeline. Build the model "
+            "without it (e.g. dropout rate 0 and no rngs)"
+        )
+    layer_graphdef = nnx.graphdef(layer_modules[0])
+    layer_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(layer_modules[0], nnx.Param)))
+    for i, module in enumerate(layer_modules[1:], start=1):
+        shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+        if nnx.graphdef(module) != layer_graphdef or shapes != layer_shapes:
+            raise JaxmemError(
+                f"from_nnx: layer {i} of {layers!r} differs in structure from layer 0; a pipeline stage holds "
+                "a number of identical layers, so every entry of the list must be built alike"
+            )
+
+    # The model without its layers: embed and head_loss run on it (the arrays are shared, not copied).
+    shell = nnx.merge(graphdef, params, rest)
+    parent = _get_path(shell, path[:-1], "the layers' parent") if len(path) > 1 else shell
+    setattr(parent, path[-1], nnx.List([]))
+    shell_graphdef, shell_params, _ = nnx.split(shell, nnx.Param, ...)
+    shared_structure = jax.tree_util.tree_structure(nnx.to_pure_dict(shell_params))
+
+    def split(params):
+        node = params
+        for key in path[:-1]:
+            node = node[key]
+        stacked = node[path[-1]]
+        layer_list = [stacked[i] for i in sorted(stacked)] if isinstance(stacked, Mapping) else list(stacked)
+        shared = _without(params, path)
+        if jax.tree_util.tree_structure(shared) != shared_structure:
+            raise JaxmemError(
+                f"model {name!r}: the parameters do not have the model's structure (without {layers!r}: expected "
+                f"{shared_structure}, got {jax.tree_util.tree_structure(shared)})"
+            )
+        return layer_list, shared
+
+    def join(layer_list, shared):
+        return _with(shared, path, dict(enumerate(layer_list)))
+
+    def shell_module(shared):
+        return nnx.merge(shell_graphdef, shared)
+
+    def embed_fn(shared, batch):
+        return embed(shell_module(shared), batch)
+
+    def layer_fn(layer_params, x, batch):
+        module = nnx.merge(layer_graphdef, layer_params)
+        return call_layer(module, x, batch) if call_layer is not None else module(x)
+
+    def head_fn(shared, x, batch):
+        return head_loss(shell_module(shared), x, batch)
+
+    if factory is not None:
+
+        def init(seed: int):
+            return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(seed)), nnx.Param))
+
+    else:
+        current = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+        def init(seed: int):
+            return current
+
+    loss_fn = None
+    if loss is not None:
+
+        def loss_fn(params, batch):
+            return loss(nnx.merge(graphdef, params), batch)
+
+    return StagedModel(
+        name=name,
+        n_layers=len(layer_modules),
+        init=init,
+        split=split,
+        join=join,
+        embed=embed_fn,
+        layer=layer_fn,
+        head_loss=head_fn,
+        tags=tags if isinstance(tags, TagSet) else TagSet(tuple(tags)),
+        loss=loss_fn,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        config=config,
+        analytic=analytic,
+    )
+
+
+def _without(tree: Mapping, path: tuple[str, ...]) -> dict:
+    """A copy of a nested dict without the entry at ``path`` (a parent left empty goes too, as it
+    does from the state of a module whose only child was that entry)."""
+    out = dict(tree)
+    if len(path) == 1:
+        out.pop(path[0], None)
+        return out
+    inner = _without(tree[path[0]], path[1:])
+    if inner:
+        out[path[0]] = inner
+    else:
+        out.pop(path[0])
+    return out
+
+
+def _with(tree: Mapping, path: tuple[str, ...], value) -> dict:
+    out = dict(tree)
+    out[path[0]] = value if len(path) == 1 else _with(tree.get(path[0], {}), path[1:], value)
+    return out

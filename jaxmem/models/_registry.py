@@ -1,0 +1,74 @@
+"""Built-in model presets by name (GPT-2 and Llama shapes) and the one lookup every command uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxmem._errors import JaxmemError
+from jaxmem.models import gpt as _gpt
+from jaxmem.models import llama as _llama
+from jaxmem.models._interface import StagedModel
+
+__all__ = ["PRESETS", "get_config", "get_model", "model_name"]
+
+PRESETS: dict[str, object] = {**_gpt.PRESETS, **_llama.PRESETS}
+
+
+def get_config(name, **overrides):
+    """A preset's config by name (case-insensitive), or a config itself, with field overrides.
+
+    >>> get_config("tiny", n_layers=4).n_layers
+    4
+    >>> get_config("llama-tiny").n_kv_heads
+    2
+    """
+    if isinstance(name, (_gpt.GPTConfig, _llama.LlamaConfig)):
+        base = name
+    else:
+        key = str(name).strip().lower()
+        if key not in PRESETS:
+            raise JaxmemError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        base = PRESETS[key]
+    if not overrides:
+        return base
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise JaxmemError(f"{type(base).__name__} has no field {unknown[0]!r}; fields: {', '.join(sorted(fields))}")
+    return dataclasses.replace(base, **overrides)
+
+
+def model_name(spec) -> str:
+    """How a model spec is named in reports: the preset name, the model's own name, or its config type."""
+    if isinstance(spec, StagedModel):
+        return spec.name
+    if isinstance(spec, str):
+        return spec.strip().lower()
+    return type(spec).__name__.replace("Config", "").lower()
+
+
+def get_model(spec, **overrides) -> StagedModel:
+    """A :class:`StagedModel` from a preset name, a GPTConfig / LlamaConfig, or a StagedModel.
+
+    ``overrides`` change config fields of a preset or config (``n_layers``, ``dtype``, ...).
+
+    >>> get_model("llama-tiny", n_layers=2).n_layers
+    2
+    """
+    if isinstance(spec, StagedModel):
+        if overrides:
+            raise JaxmemError(
+                f"model {spec.name!r} is a StagedModel; its config cannot be changed here ({', '.join(overrides)})"
+            )
+        return spec
+    return _build(get_config(spec, **overrides), model_name(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _build(config, name: str) -> StagedModel:
+    # One StagedModel per (config, name): planners ask for the same model many times, and its facts
+    # are cached per model object.
+    if isinstance(config, _llama.LlamaConfig):
+        return _llama.llama(config, name)
+    return _gpt.gpt(config, name)

@@ -1,0 +1,12 @@
+"""The configuration search behind ``jaxmem plan`` and ``jaxmem train --plan auto``: the fastest
+pipeline size, schedule, microbatch count and memory policy predicted to fit a per-device budget."""
+
+from jaxmem.search._search import POLICIES as POLICIES
+from jaxmem.search._search import SCHEDULES as SCHEDULES
+from jaxmem.search._search import Candidate as Candidate
+from jaxmem.search._search import SearchError as SearchError
+from jaxmem.search._search import SearchResult as SearchResult
+from jaxmem.search._search import candidate_schedules as candidate_schedules
+from jaxmem.search._search import chronos_moves as chronos_moves
+from jaxmem.search._search import evaluate as evaluate
+from jaxmem.search._search import search as search

@@ -1,0 +1,23 @@
+"""Pipelined training: the train state, the trainer (model, pipeline, optimizer, jitted step), the loop
+with its hooks (checkpoints, sample log), checkpoints in the model's layout, and adaptive training
+under the online profiler."""
+
+from jaxmem.config import TrainConfig as TrainConfig
+from jaxmem.train._adaptive import adaptive_workload as adaptive_workload
+from jaxmem.train._adaptive import train_adaptive as train_adaptive
+from jaxmem.train._checkpoint import Checkpointer as Checkpointer
+from jaxmem.train._checkpoint import CheckpointError as CheckpointError
+from jaxmem.train._checkpoint import array_checksums as array_checksums
+from jaxmem.train._hooks import CheckpointHook as CheckpointHook
+from jaxmem.train._hooks import Hook as Hook
+from jaxmem.train._hooks import SampleLogHook as SampleLogHook
+from jaxmem.train._hooks import StepInfo as StepInfo
+from jaxmem.train._loop import apply_plan as apply_plan
+from jaxmem.train._loop import default_hooks as default_hooks
+from jaxmem.train._loop import train as train
+from jaxmem.train._state import TrainState as TrainState
+from jaxmem.train._state import global_put as global_put
+from jaxmem.train._state import scalar as scalar
+from jaxmem.train._state import to_device as to_device
+from jaxmem.train._trainer import Trainer as Trainer
+from jaxmem.train._trainer import abstract_state as abstract_state

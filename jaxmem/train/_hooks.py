@@ -1,0 +1,111 @@
+"""Hooks: what a training loop does beside the steps -- checkpoints, the sample log, and (from the
+elastic layer) heartbeats and injected failures. A hook is an object with any of ``on_start``,
+``on_step`` and ``on_end``; the loop calls them in order."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import jax
+
+from jaxmem.data import Batch
+from jaxmem.train._state import TrainState
+
+__all__ = ["CheckpointHook", "Hook", "SampleLogHook", "StepInfo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What a hook learns about the step just run.
+
+    Attributes:
+        step: the step count after it (``state.step``).
+        loss: its loss.
+        batch: the batch it consumed (with the sample number of every row).
+        seconds: its wall time (the first step of a run includes the compile).
+        step_seconds: wall times of this run's steps so far, the compiling first step excluded.
+    """
+
+    step: int
+    loss: float
+    batch: Batch
+    seconds: float
+    step_seconds: tuple[float, ...] = ()
+
+
+class Hook:
+    """Callbacks around a training loop; override what you need.
+
+    ``on_start`` may return a different state (a restored one); ``on_step`` runs after every step;
+    ``on_end`` after the last (also when the loop stops early on an error it can finish).
+    """
+
+    def on_start(self, trainer, state: TrainState) -> TrainState:
+        return state
+
+    def on_step(self, trainer, state: TrainState, info: StepInfo) -> None:
+        return None
+
+    def on_end(self, trainer, state: TrainState) -> None:
+        return None
+
+
+class CheckpointHook(Hook):
+    """Resume from the latest complete checkpoint in ``directory``; save every ``every`` steps and at
+    the end. The state is saved in the model's layout, so any mesh restores it.
+
+    Attributes:
+        resumed_from: the step restored at start, or None.
+    """
+
+    def __init__(self, directory: str, *, every: int = 10, keep: int = 3, log: Callable[[str], None] | None = None):
+        from jaxmem.train._checkpoint import Checkpointer
+
+        self.checkpointer = Checkpointer(directory, every=every, keep=keep)
+        self.log = log or (lambda line: None)
+        self.resumed_from: int | None = None
+
+    def on_start(self, trainer, state):
+        checkpointer = self.checkpointer
+        if checkpointer.latest_step() is None:
+            return state
+        restored = checkpointer.restore(trainer.restore_target())
+        self.resumed_from = restored.step
+        self.log(f"resumed from checkpoint step {restored.step} ({checkpointer.directory})")
+        return trainer.import_state(restored.state, restored.meta)
+
+    def on_step(self, trainer, state, info):
+        if self.checkpointer.should_save(state.step):
+            exported, meta = trainer.export_state(state)
+            self.checkpointer.save(state.step, exported, meta)
+
+    def on_end(self, trainer, state):
+        checkpointer = self.checkpointer
+        checkpointer.wait()  # a save of this very step may still be in flight
+        if checkpointer.latest_step() != state.step:
+            exported, meta = trainer.export_state(state)
+            checkpointer.save(state.step, exported, meta, force=True)
+        checkpointer.close()
+
+
+class SampleLogHook(Hook):
+    """Append, per step, the sample numbers it consumed to ``path`` (process 0 only); on start, drop
+    the lines of steps after the state's (a resumed run redoes them), so every sample shows once."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_start(self, trainer, state):
+        if jax.process_index() == 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = [line for line in f if line.strip() and int(line.split()[0]) <= state.step]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+        return state
+
+    def on_step(self, trainer, state, info):
+        if jax.process_index() == 0:
+            with open(self.path, "a") as f:
+                f.write(f"{state.step} {' '.join(str(i) for i in info.batch.sample_ids)}\n")

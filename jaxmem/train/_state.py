@@ -1,0 +1,56 @@
+"""The train state and moving host values onto a (possibly multi-process) mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxmem.data import DataIterator
+from jaxmem.pipeline import PipelineParams
+
+__all__ = ["TrainState", "global_put", "scalar", "to_device"]
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Parameters, optimizer state, step and data position: everything a resumed run needs."""
+
+    params: PipelineParams
+    opt_state: object
+    step: int
+    data: DataIterator
+
+
+def global_put(tree, shardings):
+    """Host arrays (the same on every process) -> global arrays with ``shardings``; works in one
+    process and in a multi-process job alike."""
+
+    def put(value, sharding):
+        value = np.asarray(value)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    if isinstance(shardings, NamedSharding):
+        return put(tree, shardings)
+    return jax.tree.map(put, tree, shardings)
+
+
+def scalar(x) -> float:
+    """A replicated scalar's value on this process (also for multi-process arrays)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return float(np.asarray(x.addressable_data(0)))
+    return float(x)
+
+
+def to_device(tree):
+    """Bring host-resident leaves (``pinned_host`` memory kind) to device memory; others unchanged."""
+
+    def fetch(x):
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or str(
+            getattr(jax.typeof(x), "memory_space", "")
+        )
+        return jax.device_put(x, jax.memory.Space.Device) if "host" in str(kind).lower() else x
+
+    return jax.tree.map(fetch, tree)

@@ -1,0 +1,270 @@
+"""The model interface: a user's own Flax model (from_nnx), the Llama, mixed precision, masked losses,
+declared tags, and the facts the ledger and planners use (traced vs the GPT's closed form)."""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxmem import JaxmemError
+from jaxmem.memory import model_facts
+from jaxmem.models import GPT_TAGS, from_nnx, get_model, named_softmax, token_loss
+from jaxmem.pipeline import Pipeline, make_mesh
+from jaxmem.policy import PRESETS, PolicyError, StagePolicy
+from jaxmem.schedule import generate, list_generators
+from jaxmem.verify import verification_model, verify
+
+
+# ---------------------------------------------------------------- a user's own model
+class TinyBlock(nnx.Module):
+    def __init__(self, d, rngs, tag="hidden"):
+        self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+        self.down = nnx.Linear(2 * d, d, rngs=rngs)
+        self.tag = tag
+
+    def __call__(self, x):
+        # Tag the matmul's output, not tanh's: tanh's backward reads its own (untagged) output.
+        return x + self.down(jnp.tanh(checkpoint_name(self.up(x), self.tag)))
+
+
+class TinyLM(nnx.Module):
+    """A model jaxmem has never seen: its own names, a nested layer list, no GPT layout."""
+
+    def __init__(self, rngs, tag="hidden", layers=4):
+        self.tok = nnx.Embed(32, 16, rngs=rngs)
+        self.trunk = nnx.Dict(stack=nnx.List([TinyBlock(16, rngs, tag) for _ in range(layers)]), scale=nnx.Param(1.0))
+        self.out = nnx.Linear(16, 32, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.tok(tokens)
+        for block in self.trunk["stack"]:
+            x = block(x)
+        return self.out(x * self.trunk["scale"])
+
+
+def tiny_lm(tag="hidden", declared=("hidden",)):
+    return from_nnx(
+        lambda rngs: TinyLM(rngs, tag),
+        layers="trunk.stack",
+        embed=lambda m, batch: m.tok(batch["tokens"]),
+        head_loss=lambda m, x, batch: token_loss(m.out(x * m.trunk["scale"]), batch),
+        tags=declared,
+        loss=lambda m, batch: jnp.mean(
+            -jnp.take_along_axis(jax.nn.log_softmax(m(batch["tokens"])), batch["targets"][..., None], -1)
+        ),
+        name="tiny-lm",
+        vocab_size=32,
+    )
+
+
+def test_a_users_nnx_model_trains_pipelined_with_gradients_equal_to_its_own_loss():
+    model = tiny_lm()
+    layers, shared = model.split(model.init(0))
+    assert len(layers) == 4 and "trunk" in shared and "scale" in shared["trunk"]  # the shared scale stays shared
+    result = verify(generate("zbv", 2, 4), model=model, policy={"base": "save-all", "hidden": "recompute"})
+    assert result["ok"], result
+    assert result["max_rel_diff"] < 1e-5
+
+
+def test_an_emitted_tag_the_model_does_not_declare_is_an_error():
+    model = tiny_lm(tag="secret", declared=("hidden",))
+    pipe = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2))
+    with pytest.raises(JaxmemError, match=r"emits checkpoint_name tags it does not declare: \['secret'\]"):
+        pipe.residual_plans(4, 8)
+
+
+def test_a_policy_naming_a_tag_the_model_does_not_declare_is_an_error():
+    with pytest.raises(PolicyError, match=r"unknown activation tag 'attn_probs'; the model declares: hidden"):
+        Pipeline(tiny_lm(), generate("1f1b", 2, 2), make_mesh(1, 2), policy={"attn_probs": "offload"})
+    with pytest.raises(PolicyError, match=r"stage 1: unknown activation tag 'mlp_gate'.*mlp_pre"):
+        Pipeline("tiny", generate("1f1b", 2, 2), make_mesh(1, 2), policy={"stage": {"1": {"mlp_gate": "save"}}})
+
+
+def test_save_all_saves_every_declared_tag_of_any_model():
+    # The old lowering saved GPT's tag list: a model's own tag was silently recomputed.
+    model = tiny_lm()
+    bound = PRESETS["save-all"].bind(model.tags)
+    assert bound.save == {"hidden"} and not bound.recompute
+    facts = model_facts(model)
+    saved = facts.stage(first=False, last=False, layers=2, policy=bound, microbatch=1, seq=8)
+    recomputed = facts.stage(
+        first=False, last=False, layers=2, policy=PRESETS["recompute-all"].bind(model.tags), microbatch=1, seq=8
+    )
+    hidden = 2 * 8 * 32  # two layers' up-projections, one sequence of 8
+    assert saved.stash_bytes() - recomputed.stash_bytes() == 4 * hidden
+    assert saved.recompute_flops == 0 < recomputed.recompute_flops
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"layers": "blocks"}, r"the model has no 'blocks' \(the repeated layers\)"),
+        ({"layers": "trunk.scale"}, r"'trunk.scale' is a Param, not a list of layer modules"),
+    ],
+)
+def test_from_nnx_errors_name_what_is_wrong(kwargs, message):
+    base = {
+        "embed": lambda m, b: m.tok(b["tokens"]),
+        "head_loss": lambda m, x, b: token_loss(m.out(x), b),
+        "tags": (),
+    }
+    with pytest.raises(JaxmemError, match=message):
+        from_nnx(lambda rngs: TinyLM(rngs), **{**base, **kwargs})
+
+
+def test_from_nnx_refuses_state_it_cannot_carry_and_layers_that_differ():
+    class WithDropout(nnx.Module):
+        def __init__(self, rngs):
+            self.tok = nnx.Embed(8, 4, rngs=rngs)
+            self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)])
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    kw = {"layers": "blocks", "embed": lambda m, b: m.tok(b["tokens"]), "head_loss": lambda m, x, b: x, "tags": ()}
+    with pytest.raises(JaxmemError, match=r"state other than nnx.Param \(.*drop.*rngs.*\).*dropout"):
+        from_nnx(WithDropout, **kw)
+
+    class Uneven(nnx.Module):
+        def __init__(self, rngs):
+            self.tok = nnx.Embed(8, 4, rngs=rngs)
+            self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, use_bias=False, rngs=rngs)])
+
+    with pytest.raises(JaxmemError, match="layer 1 of 'blocks' differs in structure from layer 0"):
+        from_nnx(Uneven, **kw)
+
+
+# ---------------------------------------------------------------- the Llama, every schedule
+SCHEDULES = [g.name for g in list_generators()]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_llama_gradients_equal_plain_grad_for_every_schedule(name):
+    virtual = 2 if name == "interleaved-1f1b" else None
+    schedule = generate(name, 2, 4, virtual)
+    result = verify(schedule, model=verification_model(schedule.num_stages, "llama-tiny"), policy="selective")
+    assert result["ok"], result
+    assert result["dtype"] == "float32" and result["max_rel_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "interleaved-1f1b"])
+def test_llama_bf16_with_float32_master_weights_passes_at_bf16_tolerances(name):
+    virtual = 2 if name == "interleaved-1f1b" else None
+    schedule = generate(name, 2, 4, virtual)
+    model = verification_model(schedule.num_stages, "llama-tiny", dtype="bfloat16")
+    result = verify(schedule, model=model, loss_mask=True)
+    assert result["ok"], result
+    assert result["dtype"] == "bfloat16" and "||diff||_2 <= 0.04" in result["tolerance"]
+    assert 1e-4 < result["max_rel_diff"] < 0.04  # bf16 rounding shows, and stays inside
+
+
+def test_bf16_verify_fails_when_a_gradient_is_wrong():
+    schedule = generate("1f1b", 2, 8)
+    model = verification_model(2, "llama-tiny", dtype="bfloat16")
+
+    def drop_one_microbatch_of_a_layer(grads):  # one of 8 microbatches missing from one layer's weights
+        layer = grads["layers"][1]
+        layer["w_up"]["kernel"] = layer["w_up"]["kernel"] * (7 / 8)
+        return grads
+
+    result = verify(schedule, model=model, perturb=drop_one_microbatch_of_a_layer)
+    assert not result["ok"] and result["first_mismatch"] == "['layers'][1]['w_up']['kernel']"
+    assert verify(schedule, model=model)["ok"]
+
+
+def test_masked_loss_and_layer_drop_equal_plain_grad():
+    schedule = generate("1f1b", 2, 4)
+    result = verify(schedule, model="llama-tiny", loss_mask=True, drop_layers={1, 2})
+    assert result["ok"] and result["drop_layers"] == [1, 2] and result["loss_mask"], result
+
+
+def test_mixed_precision_keeps_float32_params_grads_and_optimizer_state():
+    from jaxmem.config import TrainConfig
+    from jaxmem.train import Trainer
+
+    trainer = Trainer(
+        TrainConfig(model="llama-tiny", dtype="bf16", stages=2, microbatches=2, batch_size=4, seq_len=16, steps=4)
+    )
+    state = trainer.init_state()
+    dtypes = {
+        leaf.dtype.name for tree in (state.params, state.opt_state) for leaf in jax.tree.leaves(tree) if leaf.ndim
+    }
+    assert dtypes == {"float32"}
+    tick, _ = trainer.pipeline.program(trainer.batch_spec())
+    assert tick.stash_keys == (("bfloat16", "device"),)
+    assert trainer.pipeline.compute_dtype(trainer.batch_spec()).name == "bfloat16"
+    losses = []
+    for _ in range(4):
+        state, loss, _ = trainer.step(state)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert {leaf.dtype.name for leaf in jax.tree.leaves(state.params)} == {"float32"}
+
+
+# ---------------------------------------------------------------- the attention softmax
+def test_saving_attention_probabilities_really_saves_their_recompute():
+    # jax.nn.softmax's own custom JVP keeps its untagged output for the backward: a policy saving the
+    # tag would still recompute q k^T and the softmax. named_softmax's backward reads the tagged value.
+    for name in ("tiny", "llama-tiny"):
+        model = get_model(name, n_layers=2)
+        facts = model_facts(model, analytic=False)
+        kw = {"first": False, "last": False, "layers": 1, "microbatch": 1, "seq": 32}
+        save_all = facts.stage(policy=PRESETS["save-all"].bind(model.tags), **kw)
+        selective = facts.stage(policy=PRESETS["selective"].bind(model.tags), **kw)
+        assert save_all.recompute_flops == 0, name
+        probs = 4 * 32 * 32 * 4  # heads x seq x seq, float32
+        assert save_all.stash_bytes() - selective.stash_bytes() == probs
+        assert selective.recompute_flops >= 2 * 32 * 32 * 64  # q k^T again
+
+
+def test_named_softmax_gradient_equals_jax_softmax():
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 7))
+    w = jax.random.normal(jax.random.PRNGKey(1), (3, 7))
+    got = jax.grad(lambda x: jnp.sum(named_softmax(x, "p") * w))(x)
+    want = jax.grad(lambda x: jnp.sum(jax.nn.softmax(x) * w))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- facts: traced vs closed form
+def _random_policies(n, tags, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        decisions = {t: rng.choice(["save", "save", "recompute", "offload"]) for t in tags.names}
+        out.append(StagePolicy(base="recompute-all", tags=decisions, offload_stash=rng.random() < 0.2))
+    return out
+
+
+@pytest.mark.parametrize(
+    "policy", list(PRESETS.values()) + _random_policies(6, GPT_TAGS), ids=lambda p: p.describe()[:40]
+)
+def test_gpt_closed_form_equals_the_traced_residuals(policy):
+    model = get_model("tiny", n_layers=4, max_seq_len=32)
+    bound = policy.bind(model.tags)
+    closed, traced = model_facts(model), model_facts(model, analytic=False)
+    assert closed.source == "analytic" and traced.source == "traced"
+    for first, last, layers in [(False, False, 1), (True, False, 2), (False, True, 2), (True, True, 3)]:
+        kw = {"first": first, "last": last, "layers": layers, "policy": bound, "microbatch": 2, "seq": 32}
+        a, t = closed.stage(**kw), traced.stage(**kw)
+        assert a.stash_elems == t.stash_elems, kw
+        assert a.full_bytes == t.full_bytes
+        # The closed form counts matmuls; cost_analysis() adds the elementwise work (a few percent).
+        assert 0.90 < a.forward_flops / t.forward_flops <= 1.0
+        assert 0.88 < a.backward_flops / t.backward_flops <= 1.0
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "tiny"])
+def test_layers_beyond_two_extrapolate_exactly(name):
+    model = get_model(name, n_layers=5, max_seq_len=32)
+    facts = model_facts(model, analytic=False)
+    for policy in ("save-all", "selective", "recompute-all", "offload-stash"):
+        bound = PRESETS[policy].bind(model.tags)
+        for first, last in [(False, False), (True, True)]:
+            kw = {"first": first, "last": last, "policy": bound, "seq": 32}
+            extrapolated = facts._per_sequence(layers=4, **kw)
+            direct = facts._traced(layers=4, **kw)
+            assert extrapolated.stash_elems == direct.stash_elems
+            assert extrapolated.forward_flops == pytest.approx(direct.forward_flops, rel=1e-6)
+            assert extrapolated.backward_flops == pytest.approx(direct.backward_flops, rel=1e-6)
