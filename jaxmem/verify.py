@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models import StagedModel, get_model, make_batch
+from jaxmem.models import StagedModel, get_model, make_batch, microbatch_key
 from jaxmem.pipeline import Pipeline, make_mesh
 from jaxmem.schedule import Schedule, validate
 
@@ -80,27 +80,53 @@ def verification_model(num_stages: int, base="tiny", **overrides) -> StagedModel
     return get_model(base, **{"n_layers": layers, "max_seq_len": 16, **overrides})
 
 
-def reference_loss(model: StagedModel, drop_layers=frozenset()):
+def reference_loss(
+    model: StagedModel, drop_layers=frozenset(), *, rng=None, layer_counts=None, microbatches=1, data_parallel=1
+):
     """``(params, batch) -> mean loss`` of the unpipelined model (its own ``loss`` when nothing is
-    dropped; else its pieces composed without the dropped layers)."""
-    if not drop_layers:
+    dropped; else its pieces composed without the dropped layers).
+
+    A model that draws random numbers needs ``rng`` (the step's key) and the pipeline's shape
+    (``layer_counts``, ``microbatches``, ``data_parallel``): each microbatch is then run on its own
+    with the keys a pipeline stage draws, and the loss is the sum over microbatches divided by the
+    counted tokens, as in the pipeline.
+    """
+    drop_layers = frozenset(drop_layers)
+    if rng is None and not drop_layers:
         return model.plain_loss
+    counts = list(layer_counts or [model.n_layers])
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    stages = [range(start, start + n) for start, n in zip(starts, counts)]
+
+    if rng is None:
+
+        def loss(params, batch):
+            loss_sum, weight = model.stage_sums(params, batch, stages, drop_layers)
+            return loss_sum / weight
+
+        return loss
 
     def loss(params, batch):
-        layers, shared = model.split(params)
-        x = model.embed(shared, batch)
-        for i, layer_params in enumerate(layers):
-            if i not in drop_layers:
-                x = model.layer(layer_params, x, batch)
-        loss_sum, weight = model.head_loss(shared, x, batch)
-        return loss_sum / weight
+        size = batch["tokens"].shape[0]
+        mb = size // (data_parallel * microbatches)
+        total = weight = 0.0
+        for d in range(data_parallel):
+            for m in range(microbatches):
+                rows = slice((d * microbatches + m) * mb, (d * microbatches + m + 1) * mb)
+                micro = {k: v[rows] for k, v in batch.items()}
+                micro["rng"] = microbatch_key(rng, d, m, microbatches)
+                loss_sum, w = model.stage_sums(params, micro, stages, drop_layers)
+                total, weight = total + loss_sum, weight + w
+        return total / weight
 
     return loss
 
 
-def plain_value_and_grad(model, params, batch, drop_layers=frozenset()):
-    """Loss and gradients of the unpipelined model: ``jax.value_and_grad`` of its mean loss."""
-    return jax.jit(jax.value_and_grad(reference_loss(get_model(model), frozenset(drop_layers))))(params, batch)
+def plain_value_and_grad(model, params, batch, drop_layers=frozenset(), **kwargs):
+    """Loss and gradients of the unpipelined model: ``jax.value_and_grad`` of its mean loss
+    (``kwargs``: see :func:`reference_loss`)."""
+    loss = reference_loss(get_model(model), frozenset(drop_layers), **kwargs)
+    return jax.jit(jax.value_and_grad(loss))(params, batch)
 
 
 def verify(
@@ -159,8 +185,19 @@ def verify(
     batch = make_batch(tokens, jnp.roll(tokens, -1, axis=1), loss_mask=mask)
     tol = tolerance_for(pipe.compute_dtype(batch))
 
-    loss_plain, grads_plain = plain_value_and_grad(model, params, batch, drop_layers)
-    loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), batch)
+    rng = jax.random.PRNGKey(seed + 2) if model.rng else None
+    shape = (
+        {
+            "rng": rng,
+            "layer_counts": pipe.layer_counts,
+            "microbatches": schedule.num_microbatches,
+            "data_parallel": data_parallel,
+        }
+        if rng is not None
+        else {}
+    )
+    loss_plain, grads_plain = plain_value_and_grad(model, params, batch, drop_layers, **shape)
+    loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), batch, rng)
     grads = pipe.to_model_params(grads)
     if perturb is not None:
         grads = perturb(grads)
@@ -174,10 +211,11 @@ def verify(
         ok, worst = False, f"tree structure: pipelined {got_tree} vs plain {want_tree}"
     else:
         for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_plain)):
-            got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
             if got.shape != want.shape or got.dtype != want.dtype:
-                ok, worst = False, worst or f"{jax.tree_util.keystr(path)}: shape {got.shape} vs {want.shape}"
+                ok = False
+                worst = worst or f"{jax.tree_util.keystr(path)}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
                 continue
+            got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
             diff = np.abs(got - want)
             leaf_abs = float(diff.max(initial=0.0))
             if tol.elementwise:

@@ -106,9 +106,11 @@ class ModelFacts:
 
     # ------------------------------------------------------------------ model-level
     def batch(self, microbatch: int, seq: int) -> dict:
+        from jaxmem.models import RNG_SPEC
         from jaxmem.pipeline import batch_spec
 
-        return batch_spec(microbatch, seq)
+        spec = batch_spec(microbatch, seq)
+        return {**spec, "rng": RNG_SPEC} if self.model.rng else spec
 
     def message(self, microbatch: int, seq: int):
         """What one stage sends the next (abstract)."""

@@ -1,11 +1,17 @@
 """The model interface (:class:`StagedModel`, :func:`from_nnx`) and the built-in models: a GPT and a
 Llama-style decoder in Flax NNX, with ``checkpoint_name`` tags on their activations."""
 
+from jaxmem.models._interface import EMBED_KEY as EMBED_KEY
+from jaxmem.models._interface import HEAD_KEY as HEAD_KEY
+from jaxmem.models._interface import RNG_SPEC as RNG_SPEC
 from jaxmem.models._interface import StagedModel as StagedModel
 from jaxmem.models._interface import batch_positions as batch_positions
 from jaxmem.models._interface import from_nnx as from_nnx
+from jaxmem.models._interface import layer_batch as layer_batch
 from jaxmem.models._interface import make_batch as make_batch
+from jaxmem.models._interface import microbatch_key as microbatch_key
 from jaxmem.models._interface import named_softmax as named_softmax
+from jaxmem.models._interface import stage_key as stage_key
 from jaxmem.models._interface import token_loss as token_loss
 from jaxmem.models._registry import PRESETS as PRESETS
 from jaxmem.models._registry import get_config as get_config

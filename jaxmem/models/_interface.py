@@ -106,6 +106,32 @@ def make_batch(tokens, targets, *, loss_mask=None, positions=None) -> dict:
     return batch
 
 
+# Keys of a model that draws random numbers (``StagedModel.rng``): the step's key is folded with the
+# microbatch's global number, then with the stage, then with the layer's position in the stage (the
+# embedding and the head take two reserved positions). A layer's dropout mask therefore depends only on
+# (step, microbatch, stage, layer): the same in the forward and in any recompute of it.
+EMBED_KEY, HEAD_KEY = 2**30, 2**30 + 1
+RNG_SPEC = jax.ShapeDtypeStruct((2,), jnp.uint32)  # a raw threefry key, as jax.random.PRNGKey gives
+
+
+def microbatch_key(key: jax.Array, data_index, microbatch, microbatches: int) -> jax.Array:
+    """The key of microbatch ``microbatch`` of data-parallel replica ``data_index``."""
+    return jax.random.fold_in(key, data_index * microbatches + microbatch)
+
+
+def stage_key(key: jax.Array, stage) -> jax.Array:
+    """A microbatch key folded with the (global) stage index."""
+    return jax.random.fold_in(key, stage)
+
+
+def layer_batch(batch: Mapping, position: int) -> Mapping:
+    """``batch`` with its ``rng`` (a stage's key) folded for the layer at ``position`` in the stage
+    (:data:`EMBED_KEY` / :data:`HEAD_KEY` for the embedding and the head); unchanged without ``rng``."""
+    if "rng" not in batch:
+        return batch
+    return {**batch, "rng": jax.random.fold_in(batch["rng"], position)}
+
+
 def batch_positions(batch: Mapping, seq: int) -> jax.Array:
     """The batch's ``positions`` if it has them, else ``0 .. seq-1`` (broadcast over the batch)."""
     positions = batch.get("positions")
@@ -146,6 +172,9 @@ class StagedModel:
         config: the model's own configuration, for reports.
         analytic: closed-form memory and FLOP figures (jaxmem's GPT has them); ``None``: the ledger
             and planners trace the functions instead.
+        rng: the functions draw random numbers (dropout). They then find a PRNG key in
+            ``batch["rng"]``, a different one for every layer, embedding and head, microbatch and step
+            (see :func:`layer_batch`), and every step must be given a key.
     """
 
     name: str
@@ -162,6 +191,7 @@ class StagedModel:
     max_seq_len: int | None = None
     config: object = None
     analytic: object = None
+    rng: bool = False
 
     def __post_init__(self):
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -180,15 +210,31 @@ class StagedModel:
         return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract_params()))
 
     def plain_loss(self, params, batch) -> jax.Array:
-        """The mean loss of the whole model on a batch, without any pipeline."""
-        if self.loss is not None:
+        """The mean loss of the whole model on a batch, without any pipeline (a model with ``rng``
+        draws its keys from ``batch["rng"]`` as one stage holding every layer)."""
+        if self.loss is not None and "rng" not in batch:
             return self.loss(params, batch)
-        layers, shared = self.split(params)
-        x = self.embed(shared, batch)
-        for layer_params in layers:
-            x = self.layer(layer_params, x, batch)
-        loss_sum, weight = self.head_loss(shared, x, batch)
+        loss_sum, weight = self.stage_sums(params, batch, range(self.n_layers))
         return loss_sum / weight
+
+    def stage_sums(self, params, batch, stages, skip=frozenset()):
+        """``(loss_sum, weight)`` of the whole model run as consecutive stages (``stages``: the global
+        layer indices of each, e.g. ``[range(0, 4), range(4, 8)]``; a flat range is one stage), each
+        stage drawing its keys as a pipeline stage does (:func:`stage_key`, :func:`layer_batch`);
+        layers in ``skip`` are dropped."""
+        stages = [stages] if isinstance(stages, range) else list(stages)
+        layers, shared = self.split(params)
+        x = None
+        for s, indices in enumerate(stages):
+            stage_batch = batch if "rng" not in batch else {**batch, "rng": stage_key(batch["rng"], s)}
+            if s == 0:
+                x = self.embed(shared, layer_batch(stage_batch, EMBED_KEY))
+            for local, index in enumerate(indices):
+                if index not in skip:
+                    x = self.layer(layers[index], x, layer_batch(stage_batch, local))
+            if s == len(stages) - 1:
+                return self.head_loss(shared, x, layer_batch(stage_batch, HEAD_KEY))
+        raise JaxmemError("stage_sums: no stages given")
 
     def check_batch(self, seq: int, what: str = "sequence length") -> None:
         """Raise when ``seq`` exceeds the model's ``max_seq_len``."""
@@ -228,6 +274,7 @@ def from_nnx(
     max_seq_len: int | None = None,
     config: object = None,
     analytic: object = None,
+    rng: bool = False,
 ) -> StagedModel:
     """A :class:`StagedModel` from a Flax NNX module, using the module's own code for the math.
 
@@ -245,10 +292,13 @@ def from_nnx(
         loss: ``(module, batch) -> mean loss`` of the whole model, the gradient reference for
             ``verify`` (default: the pieces composed).
         name, vocab_size, max_seq_len, config, analytic: as in :class:`StagedModel`.
+        rng: the model uses dropout (or other randomness). Build its ``nnx.Dropout`` modules without
+            ``rngs`` and pass the key jaxmem provides, e.g. ``block(x, rngs=batch["rng"])`` in
+            ``call_layer``: every layer, microbatch and step gets its own key (:func:`layer_batch`),
+            and the pipelined step must be given one per step (``value_and_grad(params, batch, rng)``).
 
-    Only ``nnx.Param`` variables are trained. A model with other state (batch statistics, RNG
-    streams for dropout) is refused with the variables named: the pipelined step does not carry
-    state between stages yet.
+    Only ``nnx.Param`` variables are trained. A model with other stored state (batch statistics, RNG
+    streams kept in the module) is refused with the variables named.
 
     >>> from flax import nnx
     >>> class Net(nnx.Module):
@@ -291,8 +341,9 @@ def from_nnx(
         raise JaxmemError(
             f"from_nnx: the model has state other than nnx.Param ({', '.join(others[:4])}"
             f"{', ...' if len(others) > 4 else ''}); jaxmem trains parameters only and does not carry "
-            "other state (dropout RNG streams, batch statistics) through the pipeline. Build the model "
-            "without it (e.g. dropout rate 0 and no rngs)"
+            "stored state (RNG streams, batch statistics) through the pipeline. For dropout, build nnx.Dropout "
+            "without rngs, pass the key jaxmem provides (e.g. call_layer=lambda block, x, batch: block(x, "
+            'rngs=batch["rng"])) and say from_nnx(..., rng=True)'
         )
     layer_graphdef = nnx.graphdef(layer_modules[0])
     layer_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(layer_modules[0], nnx.Param)))
@@ -373,6 +424,7 @@ def from_nnx(
         max_seq_len=max_seq_len,
         config=config,
         analytic=analytic,
+        rng=bool(rng),
     )
 
 

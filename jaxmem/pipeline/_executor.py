@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models import StagedModel
+from jaxmem.models import RNG_SPEC, StagedModel, microbatch_key, stage_key
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
 from jaxmem.pipeline._split import split_layers, stack_stage_params, stage_forward, unstack_stage_params
 from jaxmem.pipeline._ticks import COLUMNS, StageClass, TickProgram, build_tick_program, cell_classes
@@ -110,6 +110,25 @@ def batch_spec(batch: int, seq: int, *, loss_mask: bool = False, positions: bool
     if positions:
         spec["positions"] = tokens
     return spec
+
+
+def _raw_key(rng, model) -> jax.Array:
+    """The step's key as raw key data; errors when the model needs one and none is given (or the
+    other way round)."""
+    if not model.rng:
+        if rng is not None:
+            raise JaxmemError(f"model {model.name!r} draws no random numbers (rng=False); do not pass rng")
+        return jnp.zeros((2,), jnp.uint32)
+    if rng is None:
+        raise JaxmemError(
+            f"model {model.name!r} uses dropout (rng=True): pass a key per step, e.g. "
+            "rng=jax.random.fold_in(jax.random.key(seed), step)"
+        )
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    if rng.shape != RNG_SPEC.shape or rng.dtype != RNG_SPEC.dtype:
+        raise JaxmemError(f"rng must be a threefry key (uint32[2] or jax.random.key), got {rng.dtype}{list(rng.shape)}")
+    return rng
 
 
 def _spec_of(batch) -> dict:
@@ -276,7 +295,10 @@ class Pipeline:
         """One microbatch of a batch (dict or spec), abstract."""
         spec = _spec_of(batch)
         mb = self.check_batch(spec)
-        return {k: jax.ShapeDtypeStruct((mb, *v.shape[1:]), v.dtype) for k, v in spec.items()}
+        micro = {k: jax.ShapeDtypeStruct((mb, *v.shape[1:]), v.dtype) for k, v in spec.items()}
+        if self.model.rng:
+            micro["rng"] = RNG_SPEC
+        return micro
 
     def compute_dtype(self, batch) -> np.dtype:
         """The narrowest floating dtype the stages pass on (the compute dtype: bfloat16 under mixed
@@ -349,22 +371,23 @@ class Pipeline:
         return self._programs[key]
 
     def grad_fn(self, batch, seq: int | None = None):
-        """``fn(params, batch) -> (loss, grads)`` for batches like ``batch`` (a batch dict or spec,
-        or a batch size with ``seq`` for tokens and targets only); not jitted (use it inside a jitted
-        step)."""
+        """``fn(params, batch, rng=None) -> (loss, grads)`` for batches like ``batch`` (a batch dict or
+        spec, or a batch size with ``seq`` for tokens and targets only); not jitted (use it inside a
+        jitted step). ``rng``: the step's key, required when the model draws random numbers
+        (:attr:`~jaxmem.models.StagedModel.rng`), e.g. ``jax.random.fold_in(key, step)``."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
         key = _key(spec)
         if key not in self._grad_fns:
             self._grad_fns[key] = self._build_grad_fn(spec)
         return self._grad_fns[key]
 
-    def value_and_grad(self, params: PipelineParams, batch: dict):
+    def value_and_grad(self, params: PipelineParams, batch: dict, rng=None):
         """Loss and gradients of the mean loss over the batch's counted tokens, jitted (one compile
-        per batch structure)."""
+        per batch structure); ``rng`` as in :meth:`grad_fn`."""
         key = _key(_spec_of(batch))
         if key not in self._jitted:
             self._jitted[key] = jax.jit(self.grad_fn(batch))
-        return self._jitted[key](params, batch)
+        return self._jitted[key](params, batch, rng)
 
     def _build_grad_fn(self, spec: dict):
         tick, _ = self.program(spec)
@@ -387,7 +410,10 @@ class Pipeline:
         tokens_global = int(np.prod(spec["targets"].shape))
         ct_scale = 1.0 / tokens_global
 
-        def body(stage_params, shared, batch, table_local):
+        stage_ids = jnp.asarray([self.schedule.stages_of(r) for r in range(pipe_size)], jnp.int32)
+        uses_rng = self.model.rng
+
+        def body(stage_params, shared, batch, table_local, rng):
             stage_params = tuple(_vary_tree(jax.tree.map(lambda a: a[0], tree)) for tree in stage_params)
             shared = _vary_tree(shared)
             batch = jax.tree.map(lambda a: _vary(a.reshape(M, mb, *a.shape[1:])), batch)
@@ -397,7 +423,15 @@ class Pipeline:
             def device_params(v):
                 return _to_device(stage_params[v]) if weights_on_host[v] else stage_params[v]
 
-            first_mb = jax.tree.map(lambda a: a[0], batch)
+            def with_key(micro, microbatch, local_stage):
+                """The microbatch with its stage's key (models that draw random numbers)."""
+                if not uses_rng:
+                    return micro
+                key = microbatch_key(rng, jax.lax.axis_index("data"), microbatch, M)
+                stage = stage_ids[jax.lax.axis_index("pipe"), local_stage]
+                return {**micro, "rng": stage_key(key, stage)}
+
+            first_mb = with_key(jax.tree.map(lambda a: a[0], batch), 0, 0)
             # Trace the residual plans again here, with this program's (varying) types.
             plans = [
                 analyze_stage(
@@ -491,7 +525,7 @@ class Pipeline:
 
             def tick_step(carry, row):
                 act_buf, grad_buf, arenas, grads, shared_grads, totals = carry
-                micro = read(batch, row[col["microbatch"]])
+                micro = with_key(read(batch, row[col["microbatch"]]), row[col["microbatch"]], row[col["local_stage"]])
                 x_in = read(act_buf, row[col["act_in"]])
                 g_in = read(grad_buf, row[col["grad_in"]])
                 offs = tuple(row[c] for c in stash_cols)
@@ -550,11 +584,12 @@ class Pipeline:
         sharded = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(P("pipe"), P(), P("data"), P("pipe")),
+            in_specs=(P("pipe"), P(), P("data"), P("pipe"), P()),
             out_specs=(P(), P("pipe"), P()),
         )
 
-        def grad_fn(params: PipelineParams, batch: dict):
+        def grad_fn(params: PipelineParams, batch: dict, rng=None):
+            rng = _raw_key(rng, self.model)
             given = _key(_spec_of(batch))
             if given != _key(spec):
                 want = {k: shape for k, shape, _ in _key(spec)}
@@ -562,7 +597,7 @@ class Pipeline:
                     f"this gradient function was built for batches {want}; got {dict(g[:2] for g in given)}: "
                     "build one per batch structure with grad_fn(batch)"
                 )
-            loss, grads, shared_grads = sharded(params.stages, params.shared, batch, table)
+            loss, grads, shared_grads = sharded(params.stages, params.shared, batch, table, rng)
             return loss, PipelineParams(stages=grads, shared=shared_grads)
 
         return grad_fn

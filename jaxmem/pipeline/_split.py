@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem._errors import JaxmemError
+from jaxmem.models import EMBED_KEY, HEAD_KEY, layer_batch
 
 __all__ = ["split_layers", "stack_stage_params", "stage_forward", "unstack_layers", "unstack_stage_params"]
 
@@ -65,18 +66,19 @@ def stage_forward(model, *, first: bool, last: bool, layers: int, skip: tuple[in
     """``fn(stage_params, shared, x, batch)`` of one stage of a :class:`~jaxmem.models.StagedModel`:
     the embedding if ``first`` (``x`` is then ignored), ``layers`` layers (except the local indices
     in ``skip``: layer drop), the head's ``(loss_sum, weight)`` if ``last``. ``stage_params`` leaves
-    have a leading layer axis (at least ``layers``)."""
+    have a leading layer axis (at least ``layers``). A ``batch["rng"]`` (the stage's key) is folded
+    per layer (:func:`jaxmem.models.layer_batch`)."""
 
     def fn(stage_params, shared, x, batch):
         if first:
-            x = model.embed(shared, batch)
+            x = model.embed(shared, layer_batch(batch, EMBED_KEY))
         per_layer = unstack_layers(stage_params, layers)
         for i in range(layers):
             if i in skip:
                 continue
-            x = model.layer(per_layer[i], x, batch)
+            x = model.layer(per_layer[i], x, layer_batch(batch, i))
         if last:
-            return model.head_loss(shared, x, batch)
+            return model.head_loss(shared, x, layer_batch(batch, HEAD_KEY))
         return x
 
     return fn
