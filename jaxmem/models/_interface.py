@@ -34,6 +34,7 @@ from jaxmem.policy import TagSet
 __all__ = [
     "StagedModel",
     "batch_positions",
+    "check_config",
     "dtype_name",
     "from_nnx",
     "make_batch",
@@ -55,6 +56,18 @@ def dtype_name(value, where: str) -> str:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise JaxmemError(f"{where}: {value!r} is not a floating dtype; use float32 or bfloat16")
     return dtype.name
+
+
+def check_config(config, positive: Sequence[str]) -> None:
+    """The checks every model configuration shares: ``positive`` fields are integers >= 1, and
+    ``dtype`` / ``param_dtype`` become canonical floating dtype names (on a frozen dataclass)."""
+    kind = type(config).__name__
+    for field in positive:
+        value = getattr(config, field)
+        if not isinstance(value, int) or value < 1:
+            raise JaxmemError(f"{kind}.{field} must be an integer >= 1, got {value!r}")
+    for field in ("dtype", "param_dtype"):
+        object.__setattr__(config, field, dtype_name(getattr(config, field), f"{kind}.{field}"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

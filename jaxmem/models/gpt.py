@@ -14,7 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models._interface import StagedModel, dtype_name, from_nnx, named_softmax, token_loss
+from jaxmem.models._interface import StagedModel, check_config, from_nnx, named_softmax, token_loss
 from jaxmem.policy import TagSet
 
 __all__ = ["GPT", "GPTConfig", "GPT_TAGS", "HEAD_TAGS", "PRESETS", "TAGS", "Block", "cross_entropy", "gpt"]
@@ -65,16 +65,11 @@ class GPTConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
-        for field in ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_layers"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise JaxmemError(f"GPTConfig.{field} must be an integer >= 1, got {value!r}")
+        check_config(self, ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_layers"))
         if self.d_model % self.n_heads:
             raise JaxmemError(f"GPTConfig: n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
-        for field in ("dtype", "param_dtype"):
-            object.__setattr__(self, field, dtype_name(getattr(self, field), f"GPTConfig.{field}"))
 
     @property
     def head_dim(self) -> int:

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models._interface import StagedModel, batch_positions, dtype_name, from_nnx, named_softmax, token_loss
+from jaxmem.models._interface import StagedModel, batch_positions, check_config, from_nnx, named_softmax, token_loss
 from jaxmem.policy import TagSet
 
 __all__ = ["LLAMA_TAGS", "Llama", "LlamaBlock", "LlamaConfig", "PRESETS", "llama", "rope"]
@@ -77,10 +77,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
-        for field in ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_kv_heads", "n_layers"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise JaxmemError(f"LlamaConfig.{field} must be an integer >= 1, got {value!r}")
+        check_config(self, ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_kv_heads", "n_layers"))
         if self.d_model % self.n_heads:
             raise JaxmemError(f"LlamaConfig: n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
         if self.n_heads % self.n_kv_heads:
@@ -89,8 +86,6 @@ class LlamaConfig:
             raise JaxmemError(f"LlamaConfig: the head width ({self.d_model // self.n_heads}) must be even for RoPE")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 16 * math.ceil(8 * self.d_model / 3 / 16))
-        for field in ("dtype", "param_dtype"):
-            object.__setattr__(self, field, dtype_name(getattr(self, field), f"LlamaConfig.{field}"))
 
     @property
     def head_dim(self) -> int:
