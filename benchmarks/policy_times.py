@@ -77,13 +77,15 @@ def main(argv=None):
             trainer = Trainer(config)
             state = trainer.init_state()
             start = time.perf_counter()
-            state, loss, _ = trainer.step(state)
+            state, metrics, _ = trainer.step(state)
+            loss = metrics["loss"]
             jax.block_until_ready(loss)
             first = time.perf_counter() - start
             times = []
             for _ in range(args.steps):
                 start = time.perf_counter()
-                state, loss, _ = trainer.step(state)
+                state, metrics, _ = trainer.step(state)
+                loss = metrics["loss"]
                 jax.block_until_ready(loss)
                 times.append(time.perf_counter() - start)
             simulated = estimate(

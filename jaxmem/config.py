@@ -33,9 +33,29 @@ class TrainConfig:
         steps: optimizer steps.
         seq_len: tokens per sequence.
         batch_size: global batch (sequences per step); divisible by D x M.
-        lr: Adam learning rate.
+        lr: peak learning rate.
+        lr_schedule: ``constant`` or ``cosine`` (decay to ``min_lr_ratio * lr`` at the last step), both
+            after ``warmup_steps`` of linear warmup from 0.
+        warmup_steps: linear warmup steps.
+        min_lr_ratio: the cosine schedule's final learning rate, as a fraction of ``lr``.
+        weight_decay: decoupled weight decay (AdamW) on matrices; 0 is plain Adam.
+        grad_clip: clip the gradients' global norm to this (None: no clipping).
         seed: parameter initialisation and data order.
-        data: ``text`` (embedded corpus) or ``synthetic``.
+        data: ``text`` (the embedded corpus), ``synthetic`` (random tokens), or files: comma-separated
+            paths, globs or directories of text (``.txt``, ``.md``; a glob reads any file as text),
+            JSONL and Parquet files.
+        data_field: the JSONL field / Parquet column holding the text.
+        tokenizer: ``byte`` (default), ``bpe:N`` (a byte-level BPE of N ids trained on the data and
+            saved in the checkpoint directory), or the path of a ``tokenizer.json``.
+        vocab_size: the vocabulary of a preset model (default: 256 for byte-level data, the
+            tokenizer's size otherwise).
+        eval_fraction: hold out this fraction of the data (the end of the token stream) for eval.
+        eval_every: evaluate the held-out loss every N steps (and at the end); 0 = never.
+        eval_batches: batches per evaluation.
+        run_dir: write metrics here: ``metrics.jsonl``, TensorBoard event files (when the
+            ``tensorboard`` package is installed) and a loss / throughput plot at the end.
+        log_every: a plain progress line every N steps when stderr is not a terminal (and a metrics
+            record every N steps).
         layers_per_stage: explicit layers per stage (balanced when None).
         policy: memory policy spec (see ``jaxmem.policy``); None = save-all.
         plan: ``"auto"`` lets the planner choose stages, data-parallel, schedule, microbatches and
@@ -73,8 +93,21 @@ class TrainConfig:
     seq_len: int = 64
     batch_size: int = 32
     lr: float = 3e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
     seed: int = 0
     data: str = "text"
+    data_field: str = "text"
+    tokenizer: str = "byte"
+    vocab_size: int | None = None
+    eval_fraction: float = 0.0
+    eval_every: int = 0
+    eval_batches: int = 4
+    run_dir: str | None = None
+    log_every: int = 10
     layers_per_stage: tuple[int, ...] | None = None
     policy: object = None
     plan: str | None = None
@@ -96,8 +129,39 @@ class TrainConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise JaxmemError(f"{field.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if self.lr <= 0:
-            raise JaxmemError(f"lr must be > 0, got {self.lr}")
+        import math
+
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise JaxmemError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise JaxmemError(f"--lr-schedule is constant or cosine, got {self.lr_schedule!r}")
+        for field in ("warmup_steps", "eval_every"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise JaxmemError(f"--{field.replace('_', '-')} must be an integer >= 0, got {value!r}")
+        for field in ("eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise JaxmemError(f"--{field.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.warmup_steps >= self.steps and self.lr_schedule == "cosine":
+            raise JaxmemError(
+                f"--warmup-steps ({self.warmup_steps}) leaves no steps of the cosine decay "
+                f"(--steps {self.steps}); use fewer warmup steps"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise JaxmemError(f"--min-lr-ratio is a fraction in [0, 1], got {self.min_lr_ratio}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise JaxmemError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise JaxmemError(f"--grad-clip must be > 0 (the largest global gradient norm), got {self.grad_clip}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise JaxmemError(f"--eval-fraction is a fraction in [0, 1), got {self.eval_fraction}")
+        if self.eval_every and not self.eval_fraction:
+            raise JaxmemError("--eval-every needs held-out data: add --eval-fraction (e.g. 0.05)")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
+            raise JaxmemError(f"--vocab-size must be an integer >= 1, got {self.vocab_size!r}")
+        if self.data == "synthetic" and self.tokenizer != "byte":
+            raise JaxmemError("--tokenizer applies to text data; synthetic data draws token ids directly")
         if self.plan not in (None, "auto"):
             raise JaxmemError(f"--plan takes 'auto', got {self.plan!r}")
         if self.adaptive and not self.budget:
@@ -130,7 +194,11 @@ class TrainConfig:
         """The :class:`~jaxmem.models.StagedModel` this config trains (imports JAX)."""
         from jaxmem.models import get_model
 
-        overrides = {k: v for k, v in (("dtype", self.dtype), ("param_dtype", self.param_dtype)) if v is not None}
+        overrides = {
+            k: v
+            for k, v in (("dtype", self.dtype), ("param_dtype", self.param_dtype), ("vocab_size", self.vocab_size))
+            if v is not None
+        }
         model = get_model(self.model, **overrides)
         if model.max_seq_len is not None and self.seq_len > model.max_seq_len:
             raise JaxmemError(f"--seq-len {self.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}")
@@ -164,7 +232,22 @@ def add_arguments(p) -> None:
     g.add_argument("--param-dtype", help="parameter / gradient / optimizer-state dtype (default float32)")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default 64)")
     g.add_argument("--batch-size", type=int, help="global batch in sequences (default 32)")
-    g.add_argument("--data", choices=["text", "synthetic"], help="embedded text corpus (default) or random tokens")
+    g.add_argument(
+        "--data",
+        metavar="SOURCE",
+        help="text (the embedded corpus, default), synthetic (random tokens), or your files: paths, globs or "
+        "directories of .txt/.md, .jsonl and .parquet files, comma-separated",
+    )
+    g.add_argument("--data-field", help="the JSONL field / Parquet column with the text (default: text)")
+    g.add_argument(
+        "--tokenizer",
+        help="byte (default), bpe:N (train a byte-level BPE of N ids on --data; saved with the checkpoints), "
+        "or a tokenizer.json file",
+    )
+    g.add_argument("--vocab-size", type=int, help="a preset model's vocabulary (default: the tokenizer's)")
+    g.add_argument("--eval-fraction", type=float, help="hold out this fraction of the data for eval (default 0)")
+    g.add_argument("--eval-every", type=int, help="eval loss every N steps and at the end (default 0: never)")
+    g.add_argument("--eval-batches", type=int, help="batches per eval (default 4)")
     g = p.add_argument_group("pipeline")
     g.add_argument("--schedule", help="schedule name (default 1f1b; see `jaxmem schedule list`)")
     g.add_argument("--csv", dest="schedule_csv", metavar="FILE", help="run a schedule table from a CSV")
@@ -204,7 +287,14 @@ def add_arguments(p) -> None:
     )
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, help="optimizer steps (default 300)")
-    g.add_argument("--lr", type=float, help="Adam learning rate (default 3e-3)")
+    g.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    g.add_argument("--lr-schedule", choices=["constant", "cosine"], help="after warmup (default constant)")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 0)")
+    g.add_argument("--min-lr-ratio", type=float, help="cosine's final lr as a fraction of --lr (default 0.1)")
+    g.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay on matrices (default 0: Adam)")
+    g.add_argument("--grad-clip", type=float, help="clip the global gradient norm to this (default: no clipping)")
+    g.add_argument("--run-dir", help="write metrics.jsonl, TensorBoard events and a loss plot here")
+    g.add_argument("--log-every", type=int, help="a progress line / metrics record every N steps (default 10)")
     g.add_argument("--seed", type=int, help="initialisation and data-order seed (default 0)")
     g.add_argument("--config", help="TOML file with any of these settings; flags override it")
 

@@ -67,3 +67,11 @@ def test_verify_json(capsys):
     for key in ("ok", "max_abs_diff", "max_rel_diff", "schedule"):
         assert key in result
     assert result["ok"] is True
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
+    # Under capsys stderr is not a terminal: no bar that appears only at the end, a line every N steps.
+    code = main(["train", *SMALL, "--steps", "4", "--log-every", "2"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "step 2/4  loss" in err and "step 4/4  loss" in err and "step 3/4" not in err

@@ -42,7 +42,7 @@ def test_synthetic_tokens_respect_the_vocabulary():
     [
         (dict(source="web", batch_size=1, seq_len=8), "unknown data source"),
         (dict(batch_size=0, seq_len=8), "must be >= 1"),
-        (dict(batch_size=1, seq_len=8, vocab_size=100), "byte-level"),
+        (dict(batch_size=1, seq_len=8, vocab_size=100), "has 256 ids but the model.s vocabulary is 100"),
     ],
 )
 def test_bad_data_settings(kwargs, message):

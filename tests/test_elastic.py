@@ -26,7 +26,8 @@ def _params(trainer, state):
 def _run(trainer, state, steps):
     losses = []
     for _ in range(steps):
-        state, loss, _ = trainer.step(state)
+        state, metrics, _ = trainer.step(state)
+        loss = metrics["loss"]
         losses.append(float(loss))
     return state, losses
 

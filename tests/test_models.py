@@ -197,7 +197,8 @@ def test_mixed_precision_keeps_float32_params_grads_and_optimizer_state():
     assert trainer.pipeline.compute_dtype(trainer.batch_spec()).name == "bfloat16"
     losses = []
     for _ in range(4):
-        state, loss, _ = trainer.step(state)
+        state, metrics, _ = trainer.step(state)
+        loss = metrics["loss"]
         losses.append(float(loss))
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert {leaf.dtype.name for leaf in jax.tree.leaves(state.params)} == {"float32"}

@@ -85,10 +85,12 @@ def small_trainer():
 def test_second_step_compiles_nothing(small_trainer, caplog):
     state = small_trainer.init_state()
     state, loss1, _ = small_trainer.step(state)
+    loss1 = loss1["loss"]
     jax.block_until_ready(loss1)
     caplog.clear()
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         state, loss2, _ = small_trainer.step(state)
+        loss2 = loss2["loss"]
         jax.block_until_ready(loss2)
     compiles = [r for r in caplog.records if "Compiling" in r.getMessage()]
     assert compiles == [], [r.getMessage() for r in compiles]
@@ -99,7 +101,8 @@ def test_training_lowers_the_loss(small_trainer):
     state = small_trainer.init_state()
     losses = []
     for _ in range(12):
-        state, loss, _ = small_trainer.step(state)
+        state, metrics, _ = small_trainer.step(state)
+        loss = metrics["loss"]
         losses.append(float(loss))
     assert np.mean(losses[-3:]) < losses[0] - 0.3
 

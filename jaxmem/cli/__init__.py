@@ -34,7 +34,7 @@ def _optional_commands() -> list[str]:
     """Subcommand modules beyond ``schedule``; each defines ``add_parser(subparsers)``."""
     import importlib.util
 
-    names = ["train", "verify", "memory", "plan", "roam", "launch", "elastic"]
+    names = ["train", "export", "verify", "memory", "plan", "roam", "launch", "elastic"]
     return [n for n in names if importlib.util.find_spec(f"jaxmem.cli.{n}") is not None]
 
 

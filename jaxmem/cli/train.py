@@ -18,6 +18,9 @@ examples:
   jaxmem train --policy recompute-all
   jaxmem train --model llama-tiny --dtype bfloat16          # bf16 compute, float32 master weights
   jaxmem train --config run.toml --steps 50      # flags override the file
+  jaxmem train --data my_texts/ --tokenizer bpe:4096 --eval-fraction 0.05 --eval-every 100 \
+      --lr-schedule cosine --warmup-steps 100 --weight-decay 0.1 --grad-clip 1.0 \
+      --run-dir runs/a --checkpoint-dir runs/a/ckpt    # then: jaxmem export runs/a/ckpt -o out
 
 A TOML config holds the same keys as the flags (schedule = "zb-h1", stages = 4, ...). On a GPU/TPU
 machine the same command uses the real devices; under `jaxmem launch` it joins the distributed job."""
@@ -35,7 +38,7 @@ def add_parser(sub) -> None:
 
     add_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end (progress goes to stderr)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=run)
 
 

@@ -307,7 +307,6 @@ def calibrate_cpu(steps: int = 5) -> Hardware:
 
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model, make_batch
-    from jaxmem.policy import PRESETS
 
     model = get_model("tiny")
     params = model.init(0)
@@ -321,14 +320,7 @@ def calibrate_cpu(steps: int = 5) -> Hardware:
         start = time.perf_counter()
         jax.block_until_ready(fn(params, batch))
         times.append(time.perf_counter() - start)
-    whole = model_facts(model, analytic=False).stage(
-        first=True,
-        last=True,
-        layers=model.n_layers,
-        policy=PRESETS["save-all"].bind(model.tags),
-        microbatch=size,
-        seq=seq,
-    )
+    whole = model_facts(model, analytic=False).whole(size, seq)
     rate = (whole.forward_flops + whole.backward_flops) / float(np.median(times))
     hw = dataclasses.replace(
         HARDWARE["cpu"],

@@ -127,6 +127,15 @@ class ModelFacts:
     def stage_param_bytes(self, layers: int) -> float:
         return layers * self.layer_bytes
 
+    def whole(self, microbatch: int, seq: int) -> StageFacts:
+        """The whole model as one stage under save-all (nothing recomputed): a plain step's facts."""
+        from jaxmem.policy import PRESETS
+
+        policy = PRESETS["save-all"].bind(self.model.tags)
+        return self.stage(
+            first=True, last=True, layers=self.model.n_layers, policy=policy, microbatch=microbatch, seq=seq
+        )
+
     # ------------------------------------------------------------------ stages
     def stage(self, *, first: bool, last: bool, layers: int, policy, microbatch: int, seq: int) -> StageFacts:
         """Facts of one stage-microbatch (``policy``: a bound stage policy)."""

@@ -14,9 +14,12 @@ from jaxmem.models._interface import named_softmax as named_softmax
 from jaxmem.models._interface import stage_key as stage_key
 from jaxmem.models._interface import token_loss as token_loss
 from jaxmem.models._registry import PRESETS as PRESETS
+from jaxmem.models._registry import describe_model as describe_model
 from jaxmem.models._registry import get_config as get_config
 from jaxmem.models._registry import get_model as get_model
+from jaxmem.models._registry import model_from_description as model_from_description
 from jaxmem.models._registry import model_name as model_name
+from jaxmem.models._sample import generate as generate
 from jaxmem.models.gpt import GPT as GPT
 from jaxmem.models.gpt import GPT_TAGS as GPT_TAGS
 from jaxmem.models.gpt import Block as Block

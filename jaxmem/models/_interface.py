@@ -188,6 +188,8 @@ class StagedModel:
         rng: the functions draw random numbers (dropout). They then find a PRNG key in
             ``batch["rng"]``, a different one for every layer, embedding and head, microbatch and step
             (see :func:`layer_batch`), and every step must be given a key.
+        logits: ``(params, batch) -> logits [batch, seq, vocab]`` of the whole model, for sampling
+            (:func:`~jaxmem.models.generate`); None: the model cannot be sampled from.
     """
 
     name: str
@@ -205,6 +207,7 @@ class StagedModel:
     config: object = None
     analytic: object = None
     rng: bool = False
+    logits: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -288,6 +291,7 @@ def from_nnx(
     config: object = None,
     analytic: object = None,
     rng: bool = False,
+    logits: Callable | None = None,
 ) -> StagedModel:
     """A :class:`StagedModel` from a Flax NNX module, using the module's own code for the math.
 
@@ -309,6 +313,8 @@ def from_nnx(
             ``rngs`` and pass the key jaxmem provides, e.g. ``block(x, rngs=batch["rng"])`` in
             ``call_layer``: every layer, microbatch and step gets its own key (:func:`layer_batch`),
             and the pipelined step must be given one per step (``value_and_grad(params, batch, rng)``).
+        logits: ``(module, batch) -> logits`` of the whole model, to sample from it
+            (``jaxmem sample``, :func:`~jaxmem.models.generate`); optional.
 
     Only ``nnx.Param`` variables are trained. A model with other stored state (batch statistics, RNG
     streams kept in the module) is refused with the variables named.
@@ -422,6 +428,12 @@ def from_nnx(
         def loss_fn(params, batch):
             return loss(nnx.merge(graphdef, params), batch)
 
+    logits_fn = None
+    if logits is not None:
+
+        def logits_fn(params, batch):
+            return logits(nnx.merge(graphdef, params), batch)
+
     return StagedModel(
         name=name,
         n_layers=len(layer_modules),
@@ -438,6 +450,7 @@ def from_nnx(
         config=config,
         analytic=analytic,
         rng=bool(rng),
+        logits=logits_fn,
     )
 
 

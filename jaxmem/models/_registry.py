@@ -10,7 +10,7 @@ from jaxmem.models import gpt as _gpt
 from jaxmem.models import llama as _llama
 from jaxmem.models._interface import StagedModel
 
-__all__ = ["PRESETS", "get_config", "get_model", "model_name"]
+__all__ = ["PRESETS", "describe_model", "get_config", "get_model", "model_from_description", "model_name"]
 
 PRESETS: dict[str, object] = {**_gpt.PRESETS, **_llama.PRESETS}
 
@@ -72,3 +72,29 @@ def _build(config, name: str) -> StagedModel:
     if isinstance(config, _llama.LlamaConfig):
         return _llama.llama(config, name)
     return _gpt.gpt(config, name)
+
+
+_FAMILIES = {"gpt": _gpt.GPTConfig, "llama": _llama.LlamaConfig}
+
+
+def describe_model(model: StagedModel) -> dict | None:
+    """What rebuilds a built-in model: its family and config fields (JSON-able); None for a model of
+    your own (export and sample it through the Python API, passing the model).
+
+    >>> describe_model(get_model("llama-tiny"))["family"]
+    'llama'
+    """
+    for family, kind in _FAMILIES.items():
+        if isinstance(model.config, kind):
+            return {"family": family, "name": model.name, "config": dataclasses.asdict(model.config)}
+    return None
+
+
+def model_from_description(description: dict) -> StagedModel:
+    """The model :func:`describe_model` described."""
+    try:
+        kind = _FAMILIES[description["family"]]
+        config = kind(**description["config"])
+    except (KeyError, TypeError) as e:
+        raise JaxmemError(f"not a jaxmem model description ({e}); families: {', '.join(_FAMILIES)}") from None
+    return _build(config, description.get("name", description["family"]))

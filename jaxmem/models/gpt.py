@@ -209,4 +209,5 @@ def gpt(config: GPTConfig, name: str = "gpt") -> StagedModel:
         max_seq_len=config.max_seq_len,
         config=config,
         analytic=config,
+        logits=lambda module, batch: module(batch["tokens"]),
     )

@@ -242,4 +242,5 @@ def llama(config: LlamaConfig, name: str = "llama") -> StagedModel:
         vocab_size=config.vocab_size,
         max_seq_len=config.max_seq_len,
         config=config,
+        logits=lambda module, batch: module(batch["tokens"], batch.get("positions")),
     )

@@ -138,7 +138,8 @@ class AdaptiveProfiler:
             is what the profiler chooses).
         budget_bytes: device bytes per device every compiled program must fit.
         build_step: ``(pipeline, batch_spec) -> jitted step`` taking ``(params, opt_state, batch)``
-            and returning ``(params, opt_state, loss)`` (e.g. :meth:`jaxmem.train.Trainer.build_step`).
+            and returning ``(params, opt_state, loss)``, or a dict of metrics with ``"loss"`` in place of
+            the loss (e.g. :meth:`jaxmem.train.Trainer.build_step`).
         batch_sharding: how a batch is laid out over the mesh (default: split over ``data``).
         policies: the escalation ladder, cheapest first.
         fingerprint: also hash the traced program (for Python control flow the arguments do not show).
@@ -382,6 +383,8 @@ class AdaptiveProfiler:
         run = probe.future.result()[0] if probing else program.step
         start = time.perf_counter()
         params, opt_state, loss = run(state.params, state.opt_state, batch)
+        if isinstance(loss, dict):  # a step that returns metrics beside the loss
+            loss = loss["loss"]
         jax.block_until_ready(loss)
         end = time.perf_counter()
         elapsed = end - start

@@ -26,6 +26,7 @@ class StepInfo:
         batch: the batch it consumed (with the sample number of every row).
         seconds: its wall time (the first step of a run includes the compile).
         step_seconds: wall times of this run's steps so far, the compiling first step excluded.
+        metrics: the step's other scalars: ``grad_norm``, ``lr``, and ``eval_loss`` on eval steps.
     """
 
     step: int
@@ -33,13 +34,15 @@ class StepInfo:
     batch: Batch
     seconds: float
     step_seconds: tuple[float, ...] = ()
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 class Hook:
     """Callbacks around a training loop; override what you need.
 
     ``on_start`` may return a different state (a restored one); ``on_step`` runs after every step;
-    ``on_end`` after the last (also when the loop stops early on an error it can finish).
+    ``on_end`` after the last; ``on_error`` instead of ``on_end`` when the run stops on an error
+    (e.g. a non-finite loss): finish what is in flight, but save nothing of the failed state.
     """
 
     def on_start(self, trainer, state: TrainState) -> TrainState:
@@ -49,6 +52,9 @@ class Hook:
         return None
 
     def on_end(self, trainer, state: TrainState) -> None:
+        return None
+
+    def on_error(self, trainer, state: TrainState) -> None:
         return None
 
 
@@ -69,6 +75,11 @@ class CheckpointHook(Hook):
 
     def on_start(self, trainer, state):
         checkpointer = self.checkpointer
+        tokenizer = getattr(trainer, "tokenizer", None)
+        if tokenizer is not None and jax.process_index() == 0:
+            # A trained tokenizer lives beside the checkpoints: a resumed run and `jaxmem export` load it.
+            if not os.path.exists(os.path.join(checkpointer.directory, "tokenizer.json")):
+                tokenizer.save(str(checkpointer.directory))
         if checkpointer.latest_step() is None:
             return state
         restored = checkpointer.restore(trainer.restore_target())
@@ -88,6 +99,10 @@ class CheckpointHook(Hook):
             exported, meta = trainer.export_state(state)
             checkpointer.save(state.step, exported, meta, force=True)
         checkpointer.close()
+
+    def on_error(self, trainer, state):
+        self.checkpointer.wait()  # saves of earlier, good steps complete
+        self.checkpointer.close()
 
 
 class SampleLogHook(Hook):

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
+from jaxmem._errors import JaxmemError
 from jaxmem.config import TrainConfig
 from jaxmem.train._hooks import CheckpointHook, Hook, SampleLogHook, StepInfo
+from jaxmem.train._metrics import MetricsHook, model_flops_per_step
 from jaxmem.train._state import scalar
 from jaxmem.train._trainer import Trainer
 
-__all__ = ["apply_plan", "default_hooks", "train"]
+__all__ = ["TrainingError", "apply_plan", "default_hooks", "train"]
 
 
 def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[TrainConfig, dict]:
@@ -59,7 +62,8 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
 
 
 def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line: None) -> list[Hook]:
-    """The hooks a config asks for: checkpoints (``checkpoint_dir``), then the sample log."""
+    """The hooks a config asks for: checkpoints (``checkpoint_dir``), the sample log, metrics
+    (``run_dir``)."""
     hooks: list[Hook] = []
     if config.checkpoint_dir:
         hooks.append(
@@ -68,6 +72,48 @@ def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line:
     if config.sample_log:
         hooks.append(SampleLogHook(config.sample_log))
     return hooks
+
+
+def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:
+    from jaxmem.memory import get_hardware
+
+    platform = jax.devices()[0].platform
+    name = config.hardware if config.hardware != "auto" else {"gpu": "h100", "tpu": "tpu-v5p"}.get(platform, "cpu")
+    hardware = get_hardware(name)
+    # CPU: the calibrated rate is the whole machine's (virtual devices share its cores).
+    peak = hardware.peak_flops * (1 if name == "cpu" else config.data_parallel * config.stages)
+    hook = MetricsHook(
+        config.run_dir,
+        flops_per_step=model_flops_per_step(trainer.model, config.batch_size, config.seq_len),
+        peak_flops=peak,
+        tokens_per_step=config.batch_size * config.seq_len,
+        budget_bytes=config.budget,
+        flush_every=config.log_every,
+    )
+    log(f"metrics -> {config.run_dir} (MFU against {hardware.name}: {peak / 1e12:,.3f} TFLOP/s)")
+    return hook
+
+
+class TrainingError(JaxmemError):
+    """Training cannot go on (a non-finite loss); checkpoints of earlier steps are intact."""
+
+
+def _check_plan(plan_record: dict | None, step_times: list[float], log) -> dict | None:
+    """Measured against predicted step time of a ``plan="auto"`` pick, once there are a few steps."""
+    if not plan_record or not plan_record.get("best") or len(step_times) < 3:
+        return None
+    predicted = plan_record["best"]["step_seconds"]
+    measured = float(np.median(step_times))
+    ratio = measured / predicted if predicted else math.inf
+    check = {"predicted_step_seconds": predicted, "measured_step_seconds": measured, "ratio": ratio}
+    if not 0.5 <= ratio <= 2.0:
+        log(
+            f"warning: the plan predicted {predicted:.3f} s/step but steps take {measured:.3f} s "
+            f"({ratio:.1f}x); its ranking may be wrong on this machine (see `jaxmem plan --hardware`)"
+        )
+    else:
+        log(f"plan check: predicted {predicted:.3f} s/step, measured {measured:.3f} s/step ({ratio:.2f}x)")
+    return check
 
 
 def train(
@@ -81,12 +127,16 @@ def train(
     """Run until ``config.steps`` steps; returns the summary the CLI prints with ``--json``.
 
     With ``checkpoint_dir`` the run resumes from the latest complete checkpoint there (on whatever
-    mesh this config describes) and saves every ``checkpoint_every`` steps and at the end.
+    mesh this config describes) and saves every ``checkpoint_every`` steps and at the end. With
+    ``run_dir`` it writes metrics there (see :class:`MetricsHook`). With held-out data
+    (``eval_fraction``) it evaluates every ``eval_every`` steps and at the end. A non-finite loss
+    stops the run with a :class:`TrainingError` naming the step, and saves nothing of it.
 
     Args:
         config: the run.
-        progress: a progress bar on stderr.
-        hooks: run after the config's own (checkpoints, sample log), in order.
+        progress: a progress bar on stderr (plain lines every ``log_every`` steps when stderr is not
+            a terminal).
+        hooks: run after the config's own (checkpoints, sample log, metrics), in order.
         on_step: ``(state, loss)`` after every step (a shorthand for a hook).
         trainer: a trainer built for ``config`` (e.g. with your own optimizer); built when None.
     """
@@ -94,7 +144,7 @@ def train(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    log = (lambda line: console.print(line, markup=False)) if progress else (lambda line: None)
+    log = (lambda line: console.print(line, markup=False, highlight=False)) if progress else (lambda line: None)
     plan_record = None
     if config.plan == "auto":
         config, plan_record = apply_plan(config, log=log)
@@ -103,22 +153,34 @@ def train(
 
         return train_adaptive(config, progress=progress)
     trainer = trainer or Trainer(config)
+    config = trainer.config  # with the data's vocabulary
     hooks = [*default_hooks(config, log), *hooks]
+    metrics_hook = None
+    if config.run_dir:
+        metrics_hook = _metrics_hook(config, trainer, log)
+        hooks.append(metrics_hook)
     state = trainer.init_state()
     first_step = state.step
     for hook in hooks:
         state = hook.on_start(trainer, state)
+    for warning in metrics_hook.warnings if metrics_hook else ():
+        log(f"note: {warning}")
     resumed_from = state.step if state.step != first_step else None
     first_step = state.step
     tokens_per_step = config.batch_size * config.seq_len
     losses: list[float] = []
+    evals: list[tuple[int, float]] = []
     if progress:
+        data = trainer.corpus.name if trainer.corpus is not None else "synthetic tokens"
+        tokenizer = f", {trainer.tokenizer.name} tokens" if trainer.tokenizer is not None else ""
         console.print(
-            f"[bold]jaxmem train[/bold]: {trainer.model.name} ({trainer.model.param_count():,} params), "
-            f"{trainer.schedule.name} P={config.stages} M={config.microbatches} "
+            f"[bold]jaxmem train[/bold]: {trainer.model.name} ({trainer.model.param_count():,} params) on "
+            f"{data}{tokenizer}, {trainer.schedule.name} P={config.stages} M={config.microbatches} "
             f"stages={trainer.schedule.num_stages} data={config.data_parallel} on "
-            f"{config.data_parallel * config.stages} {jax.devices()[0].platform} devices; compiling..."
+            f"{config.data_parallel * config.stages} {jax.devices()[0].platform} devices; compiling...",
+            highlight=False,
         )
+    interactive = progress and console.is_terminal
     columns = [
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
@@ -126,29 +188,56 @@ def train(
         TimeElapsedColumn(),
     ]
     compile_seconds = run_start = None
+    plan_check = None
     step_times: list[float] = []
     start = time.perf_counter()
-    with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
+    with Progress(*columns, console=console, disable=not interactive, transient=False) as bar:
         task = bar.add_task("train", total=config.steps, completed=state.step, info="compiling")
         while state.step < config.steps:
             tick = time.perf_counter()
-            state, loss, batch = trainer.step(state)
-            loss_value = scalar(loss)
+            lr = trainer.learning_rate(state.step) if trainer.learning_rate else None
+            new_state, metrics, batch = trainer.step(state)
+            values = {k: scalar(v) for k, v in metrics.items()}
+            loss_value = values.pop("loss")
             seconds = time.perf_counter() - tick
+            if not math.isfinite(loss_value):
+                for hook in hooks:
+                    hook.on_error(trainer, state)
+                raise TrainingError(
+                    f"the loss is {loss_value} at step {new_state.step} (gradient norm {values.get('grad_norm')}); "
+                    f"stopped without saving it. Lower --lr (now {config.lr:g}), add --grad-clip 1.0 or "
+                    "--warmup-steps, and resume from the last checkpoint"
+                )
+            state = new_state
             if compile_seconds is None:
                 compile_seconds = time.perf_counter() - start
                 run_start = time.perf_counter()
             else:
                 step_times.append(seconds)
+            if lr is not None:
+                values["lr"] = float(lr)
+            if trainer.eval_corpus is not None and (
+                state.step == config.steps or (config.eval_every and state.step % config.eval_every == 0)
+            ):
+                values["eval_loss"] = trainer.eval_loss(state)
+                evals.append((state.step, values["eval_loss"]))
             losses.append(loss_value)
-            info = StepInfo(state.step, loss_value, batch, seconds, tuple(step_times))
+            info = StepInfo(state.step, loss_value, batch, seconds, tuple(step_times), values)
             for hook in hooks:
                 hook.on_step(trainer, state, info)
             if on_step:
                 on_step(state, loss_value)
+            if plan_check is None and len(step_times) == 3:
+                plan_check = _check_plan(plan_record, step_times, log)
             elapsed = time.perf_counter() - run_start
             rate = tokens_per_step * (len(losses) - 1) / max(elapsed, 1e-9)
-            bar.update(task, completed=state.step, info=f"loss {loss_value:.3f}  {rate:,.0f} tok/s")
+            text = f"loss {loss_value:.3f}  {rate:,.0f} tok/s"
+            if "eval_loss" in values:
+                text += f"  eval {values['eval_loss']:.3f}"
+            bar.update(task, completed=state.step, info=text)
+            if progress and not interactive and (state.step % config.log_every == 0 or state.step == config.steps):
+                median = f"{np.median(step_times):.3f} s/step" if step_times else "compiling"
+                log(f"step {state.step}/{config.steps}  {text}  {median}")
     for hook in hooks:
         hook.on_end(trainer, state)
     run_seconds = time.perf_counter() - (run_start or start)
@@ -162,6 +251,7 @@ def train(
         "loss_last": losses[-1] if losses else None,
         "losses": losses,
         "loss_last10_mean": float(np.mean(losses[-10:])) if losses else None,
+        "eval_losses": evals,
         "tokens_per_second": tokens_per_step * steady_steps / run_seconds if steady_steps else None,
         "step_seconds_median": float(np.median(step_times)) if step_times else None,
         "compile_seconds": compile_seconds,
@@ -175,10 +265,15 @@ def train(
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
         "model": trainer.model.name,
+        "data": trainer.corpus.name if trainer.corpus is not None else "synthetic",
+        "tokenizer": trainer.tokenizer.name if trainer.tokenizer is not None else None,
+        "vocab_size": trainer.model.vocab_size,
         "dtype": trainer.pipeline.compute_dtype(trainer.batch_spec()).name,
         "param_dtype": trainer.pipeline.param_dtype().name,
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "policy": None if config.policy is None else str(config.policy),
         "plan": plan_record and plan_record["best"],
+        "plan_check": plan_check,
+        "run_dir": config.run_dir,
     }

@@ -3,6 +3,7 @@ jitted train step and the state's layout (for checkpoints in the model's own lay
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -11,12 +12,54 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmem._errors import JaxmemError
 from jaxmem.config import TrainConfig
-from jaxmem.data import Batch, DataIterator
+from jaxmem.data import Batch, DataIterator, load_corpus
+from jaxmem.models import StagedModel, describe_model
 from jaxmem.pipeline import Pipeline, PipelineParams, make_mesh
 from jaxmem.train._state import TrainState, global_put, to_device
 
-__all__ = ["Trainer", "abstract_state"]
+__all__ = ["Trainer", "abstract_state", "learning_rate", "make_optimizer"]
+
+
+def learning_rate(config: TrainConfig):
+    """The config's learning-rate schedule (an optax schedule: step -> lr)."""
+    warmup = config.warmup_steps
+    if config.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=config.lr,
+            warmup_steps=warmup,
+            decay_steps=config.steps,
+            end_value=config.lr * config.min_lr_ratio,
+        )
+    if warmup:
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, config.lr, warmup), optax.constant_schedule(config.lr)], [warmup]
+        )
+    return optax.constant_schedule(config.lr)
+
+
+def _decay_mask(params):
+    """True for matrices: in the pipeline layout a layer's leaves carry two leading axes (rank, layer)."""
+    if isinstance(params, PipelineParams):
+        return PipelineParams(
+            stages=jax.tree.map(lambda x: x.ndim >= 4, params.stages),
+            shared=jax.tree.map(lambda x: x.ndim >= 2, params.shared),
+        )
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(config: TrainConfig):
+    """The optimizer a config asks for: Adam, or AdamW with ``weight_decay`` (on matrices only, not on
+    biases, norms' scales or other vectors), under the learning-rate schedule, after clipping the
+    gradients' global norm to ``grad_clip``."""
+    lr = learning_rate(config)
+    if config.weight_decay:
+        opt = optax.adamw(lr, weight_decay=config.weight_decay, mask=_decay_mask)
+    else:
+        opt = optax.adam(lr)
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), opt) if config.grad_clip else opt
 
 
 class Trainer:
@@ -28,11 +71,20 @@ class Trainer:
     Args:
         config: the run.
         devices: the devices to build the mesh from (default: all).
-        optimizer: an optax transformation (default ``optax.adam(config.lr)``). Its state follows the
-            parameters' layout and dtype (float32 master weights keep float32 moments).
+        optimizer: an optax transformation (default :func:`make_optimizer` of the config: Adam or
+            AdamW, warmup and cosine, clipping). Its state follows the parameters' layout and dtype
+            (float32 master weights keep float32 moments).
+        corpus: the training data (default: what ``config.data`` / ``config.tokenizer`` name, with
+            the ``eval_fraction`` held out); its tokenizer sets a preset model's vocabulary.
     """
 
-    def __init__(self, config: TrainConfig, *, devices: Sequence | None = None, optimizer=None):
+    def __init__(self, config: TrainConfig, *, devices: Sequence | None = None, optimizer=None, corpus=None):
+        self.corpus, self.eval_corpus = (corpus, None) if corpus is not None else _load_data(config)
+        tokenizer = self.tokenizer
+        if tokenizer is not None and config.vocab_size is None and not isinstance(config.model, StagedModel):
+            # A preset's vocabulary follows the tokenizer (byte-level data keeps the preset's own).
+            if tokenizer.vocab_size != 256:
+                config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
         self.config = config
         self.model = config.build_model()
         self.schedule = config.build_schedule()
@@ -46,8 +98,17 @@ class Trainer:
         )
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.pipeline.check_batch(self.batch_spec())
-        self.optimizer = optimizer or optax.adam(config.lr)
+        self.optimizer = optimizer or make_optimizer(config)
+        self.learning_rate = learning_rate(config) if optimizer is None else None
+        self.data_iterator()  # checks the data against the model (vocabulary, sequence length)
         self._step_fn = None
+        self._compiled = None
+        self._eval_fn = None
+
+    @property
+    def tokenizer(self):
+        """The data's tokenizer (None for synthetic data)."""
+        return None if self.corpus is None else self.corpus.tokenizer
 
     def batch_spec(self, seq: int | None = None) -> dict:
         """The abstract global batch of a step (with its sharding over ``data``)."""
@@ -56,9 +117,13 @@ class Trainer:
         spec = batch_spec(self.config.batch_size, seq or self.config.seq_len)
         return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in spec.items()}
 
-    def data_iterator(self, seed: int | None = None, position: int = 0) -> DataIterator:
+    def data_iterator(self, seed: int | None = None, position: int = 0, *, split: str = "train") -> DataIterator:
+        """The batches of the training data (``split="eval"``: of the held-out data)."""
+        source = self.eval_corpus if split == "eval" else self.corpus
+        if split == "eval" and source is None:
+            raise JaxmemError("this run holds out no eval data; set --eval-fraction")
         return DataIterator(
-            source=self.config.data,
+            source=source if source is not None else "synthetic",
             batch_size=self.config.batch_size,
             seq_len=self.config.seq_len,
             seed=self.config.seed if seed is None else seed,
@@ -87,28 +152,55 @@ class Trainer:
         )
 
     def build_step(self, pipeline: Pipeline, batch):
-        """The jitted train step ``(params, opt_state, batch) -> (params, opt_state, loss)`` of
+        """The jitted train step ``(params, opt_state, batch) -> (params, opt_state, metrics)`` of
         ``pipeline`` (same parameter layout as this trainer's) for batches like ``batch`` (a batch
-        dict or spec); compiled on first call."""
+        dict or spec); compiled on first call. ``metrics``: ``loss`` and the gradients' global norm
+        ``grad_norm`` (before clipping)."""
         grad_fn = pipeline.grad_fn(batch)
         optimizer = self.optimizer
 
         def step(params, opt_state, batch):
             loss, grads = grad_fn(params, batch)
+            grad_norm = optax.tree.norm(grads)
             # Offloaded weights / optimizer state come to the device for the update and go back to
             # host through the output shardings.
             params, opt_state = to_device(params), to_device(opt_state)
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": grad_norm}
 
         out_shardings = (pipeline.shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
         return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
     @property
     def step_fn(self):
+        """The jitted train step (see :meth:`build_step`)."""
         if self._step_fn is None:
             self._step_fn = self.build_step(self.pipeline, self.batch_spec())
         return self._step_fn
+
+    def compiled(self, state: TrainState):
+        """The compiled train step, e.g. for ``memory_analysis()``: free once :meth:`step` has run
+        (JAX caches the executable; :meth:`step` calls the jitted function, whose dispatch is faster
+        than a ``Compiled`` object's)."""
+        if self._compiled is None:
+            self._compiled = self.lower(state).compile()
+        return self._compiled
+
+    def eval_loss(self, state: TrainState, batches: int | None = None) -> float:
+        """Mean loss over the first ``batches`` batches of the held-out data (the same batches every
+        time). It runs the pipelined loss and gradient without the update (no forward-only schedule
+        yet), as its own compiled program."""
+        batches = batches or self.config.eval_batches
+        data = self.data_iterator(split="eval")
+        if self._eval_fn is None:
+            grad_fn = self.pipeline.grad_fn(self.batch_spec())
+            self._eval_fn = jax.jit(lambda p, b: grad_fn(p, b)[0], out_shardings=NamedSharding(self.mesh, P()))
+        params = to_device(state.params)
+        losses = [
+            float(np.asarray(jax.device_get(self._eval_fn(params, self.put_batch(data.batch_at(i * data.batch_size))))))
+            for i in range(batches)
+        ]
+        return float(np.mean(losses))
 
     def put_batch(self, batch: Batch) -> dict:
         """The global batch as arrays split over ``data`` (every process holds the same host batch)."""
@@ -128,10 +220,12 @@ class Trainer:
         params, opt_state = abstract_state(state)
         return measure(self.pipeline, compiled, batch=self.batch_spec(), params=params, opt_state=opt_state)
 
-    def step(self, state: TrainState) -> tuple[TrainState, jax.Array, Batch]:
+    def step(self, state: TrainState) -> tuple[TrainState, dict, Batch]:
+        """One optimizer step on the next batch: ``(state, metrics, batch)``, metrics as in
+        :meth:`build_step` (replicated scalars, not yet fetched)."""
         batch, data = state.data.next()
-        params, opt_state, loss = self.step_fn(state.params, state.opt_state, self.put_batch(batch))
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, data=data), loss, batch
+        params, opt_state, metrics = self.step_fn(state.params, state.opt_state, self.put_batch(batch))
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, data=data), metrics, batch
 
     # ------------------------------------------------------------------ checkpoints
     def _replicated(self):
@@ -156,6 +250,8 @@ class Trainer:
             "step": state.step,
             "seed": config.seed,
             "model": self.model.name,
+            "model_spec": describe_model(self.model),
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.name,
             "data": state.data.state(),
             "plan": {
                 "schedule": self.schedule.name,
@@ -200,8 +296,32 @@ class Trainer:
         params, opt_state = jax.jit(relayout, out_shardings=(pipeline.shardings(), self.opt_state_shardings()))(
             state["params"], state["opt_state"]
         )
+        from jaxmem.data import ORDER
+
+        if meta["data"].get("order") != ORDER:
+            raise JaxmemError(
+                f"the checkpoint at step {meta['step']} was written by a jaxmem with another data order "
+                f"({meta['data'].get('order') or 'numpy permutation'}, now {ORDER}); resuming would not see every "
+                "sample exactly once. Start a new --checkpoint-dir (export the weights first with jaxmem export)"
+            )
+        saved = meta["data"].get("fingerprint")
         data = self.data_iterator(seed=meta["data"]["seed"], position=meta["data"]["position"])
+        current = data.state().get("fingerprint")
+        if saved != current:
+            raise JaxmemError(
+                f"the checkpoint was trained on other data ({saved or 'the embedded corpus'}) than this run's "
+                f"({current or 'the embedded corpus'}): the files or the tokenizer changed. Resuming would break "
+                "exactly-once; pass the same --data and --tokenizer, or start a new --checkpoint-dir"
+            )
         return TrainState(params=params, opt_state=opt_state, step=int(meta["step"]), data=data)
+
+
+def _load_data(config: TrainConfig):
+    """``(train, eval)`` corpora of a config (``(None, None)`` for synthetic data)."""
+    if config.data == "synthetic":
+        return None, None
+    corpus = load_corpus(config.data, tokenizer=config.tokenizer, field=config.data_field, saved=config.checkpoint_dir)
+    return corpus.split(config.eval_fraction)
 
 
 def abstract_state(state: TrainState) -> tuple:

@@ -1,0 +1,93 @@
+"""``jaxmem export`` and ``jaxmem sample``: leave a run with a usable model."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxmem.cli._common import print_json, setup_devices
+
+_EXPORT_EPILOG = """\
+Writes OUT/model.safetensors (every parameter in the model's own layout and dtype, named by its path,
+e.g. blocks.0.qkv.kernel), OUT/config.json (model family and config, step, tokenizer) and, for a BPE
+run, OUT/tokenizer.json. Load it back in Python:
+
+  from jaxmem.train import load_exported
+  exported = load_exported("OUT")        # .model, .params, .tokenizer
+  nnx.update(module, nnx.State(exported.params))   # into a Flax NNX module of the same model
+
+examples:
+  jaxmem export runs/ckpt -o exported
+  jaxmem export runs/ckpt --step 200 -o exported-200"""
+
+_SAMPLE_EPILOG = """\
+PATH is an export directory (jaxmem export) or a checkpoint directory (its latest step, or --step).
+Generation runs one forward per new token over the model's window (no KV cache): fine for checking
+what a small model learned, not a serving engine.
+
+examples:
+  jaxmem sample runs/ckpt --prompt "The for statement" --tokens 200
+  jaxmem sample exported --prompt "def " --temperature 0.7 --top-k 40 --seed 3"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint's weights as safetensors + config.json (+ tokenizer)",
+        description="Export the parameters of a `jaxmem train` checkpoint in the model's own layout.",
+        epilog=_EXPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="a --checkpoint-dir of jaxmem train")
+    p.add_argument("-o", "--out", required=True, help="output directory (created if missing)")
+    p.add_argument("--step", type=int, help="which step (default: the latest)")
+    p.add_argument("--force", action="store_true", help="overwrite an earlier export in OUT")
+    p.add_argument("--json", action="store_true", help="print config.json")
+    p.set_defaults(run=run_export)
+
+    s = sub.add_parser(
+        "sample",
+        help="generate text from a checkpoint or an export",
+        description="Sample a continuation of a prompt from a trained model.",
+        epilog=_SAMPLE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("path", help="an export directory or a checkpoint directory")
+    s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    s.add_argument("--tokens", type=int, default=100, help="new tokens to generate (default 100)")
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    s.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    s.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    s.set_defaults(run=run_sample)
+
+
+def run_export(args) -> int:
+    setup_devices(1)
+    from jaxmem.train import export_checkpoint
+
+    config = export_checkpoint(args.checkpoint, args.out, step=args.step, force=args.force)
+    if args.json:
+        print_json(config)
+    else:
+        model = config["model"]
+        print(
+            f"exported step {config['step']} of {model['name']} ({config['param_count']:,} params, "
+            f"{config['tokenizer']} tokenizer) to {args.out}/model.safetensors and config.json"
+        )
+    return 0
+
+
+def run_sample(args) -> int:
+    from jaxmem._errors import JaxmemError
+
+    if args.tokens < 1:
+        raise JaxmemError(f"--tokens must be >= 1, got {args.tokens}")
+    setup_devices(1)
+    from jaxmem.train import load_model
+
+    loaded = load_model(args.path, step=args.step)
+    text = loaded.generate(
+        args.prompt, max_new_tokens=args.tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
+    )
+    print(args.prompt + text)
+    return 0

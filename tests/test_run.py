@@ -1,0 +1,292 @@
+"""A run on your own data: text files, JSONL and Parquet read into a packed corpus, a BPE tokenizer
+trained on it, warmup + cosine AdamW with clipping, eval on held-out data, metrics in JSONL, CSV and
+TensorBoard events, bit-exact resume, export to safetensors and back, sampling."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxmem import JaxmemError
+from jaxmem.data import Corpus, DataIterator, get_tokenizer, list_files, load_corpus
+from jaxmem.models import GPTConfig, generate
+from jaxmem.train import (
+    TrainConfig,
+    Trainer,
+    TrainingError,
+    export_checkpoint,
+    learning_rate,
+    load_exported,
+    load_model,
+    read_metrics,
+    train,
+)
+
+MODEL = GPTConfig(n_layers=4, d_model=32, n_heads=2, max_seq_len=32)
+SHAPE = dict(model=MODEL, stages=2, microbatches=2, batch_size=4, seq_len=32)
+RUN = dict(
+    **SHAPE,
+    tokenizer="bpe:300",
+    eval_fraction=0.1,
+    eval_every=3,
+    eval_batches=2,
+    lr_schedule="cosine",
+    warmup_steps=2,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    checkpoint_every=3,
+    hardware="h100",  # MFU against a fixed profile: no CPU calibration compile in the test
+)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    from pydoc_data import topics
+
+    root = tmp_path_factory.mktemp("corpus")
+    keys = sorted(topics.topics)[:30]
+    for i, key in enumerate(keys):
+        sub = root / ("a" if i % 2 else "b")
+        sub.mkdir(exist_ok=True)
+        (sub / f"{key}.txt").write_text(topics.topics[key])
+    (root / "notes.bin").write_text("not read: not a text suffix")
+    return str(root)
+
+
+def _run(config, **kw):
+    states = []
+    summary = train(config, progress=False, on_step=lambda state, loss: states.append(state), **kw)
+    return summary, states[-1] if states else None
+
+
+@pytest.fixture(scope="module")
+def straight(corpus_dir, tmp_path_factory):
+    """Six steps in one go, with metrics and checkpoints."""
+    root = tmp_path_factory.mktemp("straight")
+    config = TrainConfig(**RUN, data=corpus_dir, steps=6, run_dir=str(root / "run"), checkpoint_dir=str(root / "ckpt"))
+    trainer = Trainer(config)
+    summary, state = _run(config, trainer=trainer)
+    return config, trainer, summary, state
+
+
+# ------------------------------------------------------------------ data without compiling
+def test_a_folder_is_read_in_sorted_order_and_only_text_suffixes(corpus_dir):
+    files = list_files(corpus_dir)
+    assert len(files) == 30 and files == sorted(files)
+    assert not any(f.endswith(".bin") for f in files)
+    assert list_files(os.path.join(corpus_dir, "a", "*.txt")) == [f for f in files if "/a/" in f]
+
+
+def test_jsonl_and_parquet_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"body": f"document number {i} says hello"} for i in range(5)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.table({"body": [r["body"] for r in rows]}), tmp_path / "d.parquet")
+    jsonl = load_corpus(str(tmp_path / "d.jsonl"), field="body")
+    parquet = load_corpus(str(tmp_path / "d.parquet"), field="body")
+    assert jsonl.documents == parquet.documents == 5
+    np.testing.assert_array_equal(jsonl.tokens, parquet.tokens)
+    text = "\n\n".join(r["body"] for r in rows)
+    np.testing.assert_array_equal(jsonl.tokens, np.frombuffer(text.encode(), np.uint8))
+    with pytest.raises(JaxmemError, match="no field 'text'.*--data-field"):
+        load_corpus(str(tmp_path / "d.jsonl"))
+    with pytest.raises(JaxmemError, match="no column 'text'"):
+        load_corpus(str(tmp_path / "d.parquet"))
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [("/nonexistent/x.txt", "no such file"), ("/nonexistent/*.txt", "no file matches"), ("", "names no files")],
+)
+def test_bad_data_paths(spec, message):
+    with pytest.raises(JaxmemError, match=message):
+        load_corpus(spec)
+
+
+def test_bpe_is_trained_saved_and_reloaded_identically(corpus_dir, tmp_path):
+    corpus = load_corpus(corpus_dir, tokenizer="bpe:300")
+    tok = corpus.tokenizer
+    assert tok.vocab_size == 300 and tok.eos_id is not None
+    assert len(corpus) < 0.8 * sum(os.path.getsize(f) for f in list_files(corpus_dir))  # 44 merges compress
+    sample = "The for statement is used to iterate"
+    assert tok.decode(tok.encode(sample)) == sample
+    tok.save(str(tmp_path))
+    again = load_corpus(corpus_dir, tokenizer="bpe:300", saved=str(tmp_path))
+    assert again.fingerprint == corpus.fingerprint
+    with pytest.raises(JaxmemError, match="holds a tokenizer of 300 ids"):
+        get_tokenizer("bpe:400", saved=str(tmp_path))
+
+
+def test_eval_split_is_held_out_and_iteration_is_exactly_once(corpus_dir):
+    corpus = load_corpus(corpus_dir)
+    train_part, eval_part = corpus.split(0.1)
+    assert len(train_part) + len(eval_part) == len(corpus)
+    np.testing.assert_array_equal(eval_part.tokens, corpus.tokens[len(train_part) :])
+    it = DataIterator(source=train_part, batch_size=3, seq_len=16, seed=5)
+    windows = [it.window_of(i) for i in range(it.num_windows)]
+    assert sorted(windows) == list(range(it.num_windows))  # one epoch: every window once
+    second = [it.window_of(i + it.num_windows) for i in range(it.num_windows)]
+    assert sorted(second) == sorted(windows) and second != windows  # reshuffled per epoch
+    with pytest.raises(JaxmemError, match="has 256 ids but the model's vocabulary is 100"):
+        DataIterator(source=corpus, batch_size=1, seq_len=8, vocab_size=100)
+
+
+def test_learning_rate_schedule_warms_up_and_decays():
+    config = TrainConfig(steps=100, lr=1e-3, lr_schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    lr = learning_rate(config)
+    assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(5e-4)
+    assert float(lr(10)) == pytest.approx(1e-3) and float(lr(100)) == pytest.approx(1e-4)
+    assert float(lr(55)) == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-3)
+    constant = learning_rate(TrainConfig(steps=100, lr=1e-3, warmup_steps=4))
+    assert float(constant(2)) == pytest.approx(5e-4) and float(constant(50)) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(lr=float("nan")), "finite number > 0"),
+        (dict(lr_schedule="linear"), "constant or cosine"),
+        (dict(warmup_steps=300, lr_schedule="cosine"), "leaves no steps"),
+        (dict(grad_clip=0.0), "--grad-clip must be > 0"),
+        (dict(weight_decay=-1.0), "--weight-decay must be >= 0"),
+        (dict(eval_every=5), "--eval-every needs held-out data"),
+        (dict(eval_fraction=1.0), "fraction in \\[0, 1\\)"),
+        (dict(log_every=0), "--log-every must be an integer >= 1"),
+        (dict(checkpoint_every=0), "--checkpoint-every must be an integer >= 1"),
+        (dict(data="synthetic", tokenizer="bpe:300"), "synthetic data draws token ids"),
+    ],
+)
+def test_bad_run_settings(kwargs, message):
+    with pytest.raises(JaxmemError, match=message):
+        TrainConfig(**kwargs)
+
+
+# ------------------------------------------------------------------ a whole run
+def test_the_run_trains_on_the_files_with_the_bpe_vocabulary(straight):
+    config, trainer, summary, state = straight
+    assert trainer.model.vocab_size == 300 and summary["tokenizer"] == "bpe:300"
+    assert summary["steps"] == 6 and np.isfinite(summary["losses"]).all()
+    assert [step for step, _ in summary["eval_losses"]] == [3, 6]
+    # AdamW decays matrices but not biases or norm scales; clipping wraps it.
+    mask = jax.tree.leaves(__import__("jaxmem.train._trainer", fromlist=["x"])._decay_mask(state.params))
+    assert any(mask) and not all(mask)
+
+
+def test_metrics_are_written_and_tensorboard_reads_them_back(straight):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config, trainer, summary, state = straight
+    records = read_metrics(config.run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == pytest.approx(summary["losses"])
+    assert "step_seconds" not in records[0]  # the compiling step is not timed as a step
+    for r in records[1:]:
+        assert r["tokens_per_second"] > 0 and 0 < r["mfu"] and r["grad_norm"] > 0
+        assert r["compiled_device_bytes"] > 0
+    assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(config.lr)
+    assert [r.get("eval_loss") is not None for r in records] == [False, False, True, False, False, True]
+    events = EventAccumulator(config.run_dir)
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in loss] == pytest.approx(summary["losses"], rel=1e-6)
+    assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
+    assert {"train/mfu", "train/tokens_per_second", "train/lr", "train/grad_norm"} <= set(events.Tags()["scalars"])
+    with open(os.path.join(config.run_dir, "metrics.csv")) as f:
+        header = f.readline().strip().split(",")
+    assert header[:3] == ["step", "loss", "eval_loss"]
+    assert os.path.getsize(os.path.join(config.run_dir, "metrics.png")) > 10_000
+
+
+def test_resume_is_bit_exact_and_metrics_are_not_duplicated(straight, corpus_dir, tmp_path):
+    config, _, summary, state = straight
+    half = TrainConfig(
+        **RUN, data=corpus_dir, steps=6, run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "ckpt")
+    )
+    first, _ = _run(__import__("dataclasses").replace(half, steps=3))
+    second, resumed = _run(half)
+    assert second["resumed_from"] == 3
+    assert first["losses"] + second["losses"] == summary["losses"]  # bit-exact, not approximately
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [r["step"] for r in read_metrics(half.run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resuming_on_other_data_is_refused(straight, corpus_dir, tmp_path):
+    config, *_ = straight
+    import shutil
+
+    changed = tmp_path / "changed"
+    shutil.copytree(corpus_dir, changed)
+    (changed / "a" / "extra.txt").write_text("a new document changes the token stream")
+    other = TrainConfig(**RUN, data=str(changed), steps=9, checkpoint_dir=str(tmp_path / "ckpt"))
+    shutil.copytree(config.checkpoint_dir, other.checkpoint_dir)
+    with pytest.raises(JaxmemError, match="trained on other data"):
+        train(other, progress=False)
+
+
+def test_export_loads_back_identical_parameters_and_samples(straight, tmp_path):
+    config, trainer, _, state = straight
+    out = str(tmp_path / "export")
+    written = export_checkpoint(config.checkpoint_dir, out)
+    assert written["step"] == 6 and written["tokenizer"] == "tokenizer.json"
+    exported = load_exported(out)
+    expected = jax.device_get(trainer.pipeline.to_model_params(state.params))
+    assert jax.tree.structure(exported.params) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(exported.params), jax.tree.leaves(expected)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    # Into the Flax module of the same model.
+    from flax import nnx
+
+    from jaxmem.models import GPT
+
+    module = GPT(exported.model.config, rngs=nnx.Rngs(1))
+    nnx.update(module, nnx.State(exported.params))
+    tokens = exported.tokenizer.encode("The for statement")[None, :]
+    np.testing.assert_allclose(
+        np.asarray(module(tokens)),
+        np.asarray(exported.model.logits(exported.params, {"tokens": tokens, "targets": tokens})),
+        rtol=1e-6,
+    )
+    # Sampling: greedy continuation is the argmax of the logits; sampling is seeded.
+    greedy = generate(exported.model, exported.params, list(tokens[0]), max_new_tokens=1, temperature=0)
+    assert greedy == [int(np.argmax(np.asarray(module(tokens))[0, -1]))]
+    text = exported.generate("The for", max_new_tokens=8, seed=3)
+    assert text == load_model(config.checkpoint_dir).generate("The for", max_new_tokens=8, seed=3)
+    with pytest.raises(JaxmemError, match="already holds an export"):
+        export_checkpoint(config.checkpoint_dir, out)
+
+
+def test_a_non_finite_loss_stops_the_run_at_its_step_and_saves_nothing_of_it(tmp_path):
+    config = TrainConfig(**SHAPE, steps=6, checkpoint_every=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    trainer = Trainer(config, optimizer=optax.sgd(float("nan")))  # the first update makes every weight nan
+    with pytest.raises(TrainingError, match="loss is nan at step 2"):
+        train(config, trainer=trainer, progress=False)
+    assert sorted(os.listdir(config.checkpoint_dir)) == ["1", "jaxmem_checkpoints.json"]
+
+
+def test_cli_export_and_sample(straight, tmp_path, capsys):
+    from jaxmem.cli import main
+
+    config, *_ = straight
+    assert main(["export", config.checkpoint_dir, "-o", str(tmp_path / "x"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+    assert main(["sample", str(tmp_path / "x"), "--prompt", "The ", "--tokens", "5", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("The ")
+    assert main(["sample", str(tmp_path / "nothing")]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_corpus_fingerprint_tracks_content():
+    from jaxmem.data import ByteTokenizer
+
+    a = Corpus(np.arange(10, dtype=np.int32), ByteTokenizer(), "a")
+    b = Corpus(np.arange(10, dtype=np.int32), ByteTokenizer(), "b")
+    c = Corpus(np.arange(1, 11, dtype=np.int32), ByteTokenizer(), "c")
+    assert a.fingerprint == b.fingerprint != c.fingerprint
