@@ -55,7 +55,16 @@ VIRTUAL = {"1f1b": None, "gpipe": None, "interleaved-1f1b": 2}
 def reports():
     out = {}
     for model, schedule, policy in GRID:
-        config = TrainConfig(model=model, schedule=schedule, virtual=VIRTUAL[schedule], policy=policy, steps=1)
+        # One layer per stage (compile time grows with the layers a stage unrolls): 4 layers, 8 for
+        # the interleaved schedule's 8 stages.
+        layers = 4 * (VIRTUAL[schedule] or 1)
+        config = TrainConfig(
+            model=get_model(model, n_layers=layers),
+            schedule=schedule,
+            virtual=VIRTUAL[schedule],
+            policy=policy,
+            steps=1,
+        )
         trainer = Trainer(config)
         predicted = predict(trainer.model, trainer.schedule, policy, batch=32, seq=64)
         out[(model, schedule, policy)] = compare(predicted, trainer.measure_memory())

@@ -290,3 +290,34 @@ def test_corpus_fingerprint_tracks_content():
     b = Corpus(np.arange(10, dtype=np.int32), ByteTokenizer(), "b")
     c = Corpus(np.arange(1, 11, dtype=np.int32), ByteTokenizer(), "c")
     assert a.fingerprint == b.fingerprint != c.fingerprint
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_saves_the_current_step_and_the_run_resumes_with_no_lost_step(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt, samples = tmp_path / "ckpt", tmp_path / "samples.log"
+    argv = [sys.executable, "-m", "jaxmem", "train", "--stages", "2", "--microbatches", "2", "--batch-size", "4"]
+    argv += ["--seq-len", "16", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000"]
+    argv += ["--sample-log", str(samples), "--quiet"]
+    proc = subprocess.Popen([*argv, "--steps", "500"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if samples.exists() and len(samples.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    done = len(samples.read_text().splitlines())
+    assert 3 <= done < 500
+    assert f"stopped by SIGTERM after step {done} of 500" in err and "Traceback" not in err
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == [str(done)]  # saved at that very step
+    resumed = subprocess.run([*argv, "--steps", str(done + 2)], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    lines = [line.split() for line in samples.read_text().splitlines()]
+    assert [int(x[0]) for x in lines] == list(range(1, done + 3))
+    assert sorted(int(i) for x in lines for i in x[1:]) == list(range(4 * (done + 2)))

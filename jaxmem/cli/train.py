@@ -56,6 +56,21 @@ def run(args) -> int:
     from jaxmem.train import train
 
     summary = train(config, progress=not args.quiet, hooks=worker_hooks())
+    if summary.get("interrupted"):
+        import signal
+        import sys
+
+        if config.checkpoint_dir:
+            where = f"checkpoint saved in {config.checkpoint_dir}; rerun the same command to resume"
+        else:
+            where = "nothing saved: pass --checkpoint-dir to keep the progress of an interrupted run"
+        print(
+            f"stopped by {summary['interrupted']} after step {summary['steps']} of {config.steps} ({where})",
+            file=sys.stderr,
+        )
+        if args.json:
+            print_json(summary)
+        return 128 + int(getattr(signal, summary["interrupted"]))
     if args.json:
         print_json(summary)
     elif summary.get("adaptive"):

@@ -94,6 +94,56 @@ def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:
     return hook
 
 
+class _StopRequests:
+    """SIGTERM / SIGINT (preemption, Ctrl-C) ask the loop to stop after the current step, save and exit.
+
+    In one process, handlers set a flag (a second signal gets the default behaviour back, so a
+    stuck save can still be interrupted). In a multi-process job, JAX's preemption service owns
+    SIGTERM: every process asks :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`
+    each step, and all of them stop at the same step.
+    """
+
+    def __init__(self):
+        self.reason: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        signals = [signal.SIGINT] if jax.process_count() > 1 else [signal.SIGTERM, signal.SIGINT]
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        import signal
+
+        self.reason = signal.Signals(signum).name
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one is not deferred
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def requested(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            try:
+                if multihost_utils.reached_preemption_sync_point(step):
+                    self.reason = self.reason or "SIGTERM"
+                    return True
+            except RuntimeError:  # no preemption service in this job
+                pass
+        return self.reason is not None
+
+
 class TrainingError(JaxmemError):
     """Training cannot go on (a non-finite loss); checkpoints of earlier steps are intact."""
 
@@ -191,7 +241,8 @@ def train(
     plan_check = None
     step_times: list[float] = []
     start = time.perf_counter()
-    with Progress(*columns, console=console, disable=not interactive, transient=False) as bar:
+    stop = _StopRequests()
+    with stop, Progress(*columns, console=console, disable=not interactive, transient=False) as bar:
         task = bar.add_task("train", total=config.steps, completed=state.step, info="compiling")
         while state.step < config.steps:
             tick = time.perf_counter()
@@ -238,8 +289,13 @@ def train(
             if progress and not interactive and (state.step % config.log_every == 0 or state.step == config.steps):
                 median = f"{np.median(step_times):.3f} s/step" if step_times else "compiling"
                 log(f"step {state.step}/{config.steps}  {text}  {median}")
-    for hook in hooks:
-        hook.on_end(trainer, state)
+            if stop.requested(state.step):
+                break
+        if stop.reason:
+            saved = "saving a checkpoint" if config.checkpoint_dir else "no --checkpoint-dir, so nothing is saved"
+            log(f"{stop.reason}: stopping after step {state.step}/{config.steps}, {saved}")
+        for hook in hooks:  # inside the handlers: a preemption during the final save waits for it
+            hook.on_end(trainer, state)
     run_seconds = time.perf_counter() - (run_start or start)
     steady_steps = max(len(losses) - 1, 0)
     return {
@@ -276,4 +332,5 @@ def train(
         "plan": plan_record and plan_record["best"],
         "plan_check": plan_check,
         "run_dir": config.run_dir,
+        "interrupted": stop.reason,
     }
