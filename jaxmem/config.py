@@ -160,6 +160,17 @@ class TrainConfig:
             raise JaxmemError("--eval-every needs held-out data: add --eval-fraction (e.g. 0.05)")
         if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
             raise JaxmemError(f"--vocab-size must be an integer >= 1, got {self.vocab_size!r}")
+        if self.devices is not None and (not isinstance(self.devices, int) or self.devices < 1):
+            raise JaxmemError(f"--devices must be an integer >= 1, got {self.devices!r}")
+        if self.seq_len_schedule is not None and not self.adaptive:
+            raise JaxmemError("--seq-len-schedule varies the program under the profiler: add --adaptive and --budget")
+        if self.adaptive and self.checkpoint_dir:
+            raise JaxmemError("--adaptive runs do not checkpoint yet; drop --checkpoint-dir or --adaptive")
+        if self.budget and not (self.plan or self.adaptive or self.run_dir):
+            raise JaxmemError(
+                "--budget is used by --plan auto and --adaptive (and shown beside the compiled bytes in "
+                "--run-dir metrics); add one of them, or drop --budget"
+            )
         if self.data == "synthetic" and self.tokenizer != "byte":
             raise JaxmemError("--tokenizer applies to text data; synthetic data draws token ids directly")
         if self.plan not in (None, "auto"):

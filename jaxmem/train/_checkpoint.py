@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxmem._errors import JaxmemError
 
-__all__ = ["CheckpointError", "Checkpointer", "array_checksums"]
+__all__ = ["CheckpointError", "Checkpointer", "array_checksums", "read_params"]
 
 MARKER = "jaxmem_checkpoints.json"
 
@@ -174,42 +174,53 @@ class Checkpointer:
         return Restored(step, state, meta)
 
     def restore_params(self, step: int | None = None) -> Restored:
-        """The parameters (model layout) and metadata of the latest (or given) step on one device,
-        whatever mesh and optimizer saved them (the target comes from the step's own metadata); each
-        array is checked against the manifest. ``state`` is ``{"params": ...}``."""
-        import orbax.checkpoint as ocp
+        """The parameters of a step on one device (see :func:`read_params`)."""
+        return read_params(self.directory, step)
 
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        if step not in self.steps():
-            raise CheckpointError(f"no checkpoint step {step} in {self.directory}; steps: {self.steps()}")
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        reader = ocp.CheckpointManager(
-            self.directory,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+
+def read_params(directory, step: int | None = None) -> Restored:
+    """The parameters (model layout) and metadata of the latest (or given) step of a checkpoint
+    directory on one device, whatever mesh and optimizer saved them (the target comes from the step's
+    own metadata); each array is checked against the manifest. ``state`` is ``{"params": ...}``.
+
+    Read-only: it neither creates nor cleans anything, so it is safe beside a run still saving there.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+    step = (steps[-1] if steps else None) if step is None else step
+    if step is None:
+        raise CheckpointError(f"no complete checkpoint in {directory}")
+    if step not in steps:
+        raise CheckpointError(f"no checkpoint step {step} in {directory}; steps: {steps}")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    reader = ocp.CheckpointManager(
+        directory,
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+    )
+    try:
+        metadata = reader.item_metadata(step)["state"]
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+        restored = reader.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         )
-        try:
-            metadata = reader.item_metadata(step)["state"]
-            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
-            restored = reader.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-            )
-        except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory} cannot be read: {type(e).__name__}: {first}"
+        ) from None
+    finally:
+        reader.close()
+    params, meta = restored["state"]["params"], restored["meta"]
+    # Orbax's metadata tree spells integer dict keys as strings: compare names without quotes.
+    manifest = {name.replace("'", ""): value for name, value in meta.get("manifest", {}).items()}
+    for name, got in array_checksums({"params": params}).items():
+        want = manifest.get(name.replace("'", ""))
+        if want is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} cannot be read: {type(e).__name__}: {first}"
-            ) from None
-        finally:
-            reader.close()
-        params, meta = restored["state"]["params"], restored["meta"]
-        # Orbax's metadata tree spells integer dict keys as strings: compare names without quotes.
-        manifest = {name.replace("'", ""): value for name, value in meta.get("manifest", {}).items()}
-        for name, got in array_checksums({"params": params}).items():
-            want = manifest.get(name.replace("'", ""))
-            if want is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
-                raise CheckpointError(
-                    f"checkpoint step {step}: array {name} does not match the checksum saved with it "
-                    "(file damaged or changed after saving)"
-                )
-        return Restored(step, {"params": params}, meta)
+                f"checkpoint step {step}: array {name} does not match the checksum saved with it "
+                "(file damaged or changed after saving)"
+            )
+    return Restored(step, {"params": params}, meta)

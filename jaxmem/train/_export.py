@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError
-from jaxmem.train._checkpoint import MARKER, Checkpointer
+from jaxmem.train._checkpoint import MARKER, read_params
 
 __all__ = [
     "Exported",
@@ -76,13 +76,13 @@ def _import_safetensors():
     return safetensors.numpy
 
 
-def _open_checkpoints(directory: str) -> Checkpointer:
-    """A Checkpointer on an existing jaxmem checkpoint directory (never creating one)."""
+def _read_checkpoint(directory: str, step: int | None):
+    """The parameters of a step of an existing jaxmem checkpoint directory, read-only."""
     if not os.path.isdir(directory):
         raise JaxmemError(f"{directory}: no such checkpoint directory")
     if not os.path.exists(os.path.join(directory, MARKER)):
         raise JaxmemError(f"{directory} is not a jaxmem checkpoint directory (no {MARKER}); pass a --checkpoint-dir")
-    return Checkpointer(directory)
+    return read_params(directory, step)
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = None, model=None, force=False):
@@ -105,11 +105,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = N
     """
     from jaxmem.models import describe_model, model_from_description
 
-    checkpointer = _open_checkpoints(checkpoint_dir)
-    try:
-        restored = checkpointer.restore_params(step)
-    finally:
-        checkpointer.close()
+    restored = _read_checkpoint(checkpoint_dir, step)
     meta = restored.meta
     description = meta.get("model_spec") or (describe_model(model) if model is not None else None)
     if model is None:
@@ -199,11 +195,7 @@ def load_model(path: str, *, step: int | None = None) -> Exported:
 
     if os.path.exists(os.path.join(path, CONFIG)):
         return load_exported(path)
-    checkpointer = _open_checkpoints(path)
-    try:
-        restored = checkpointer.restore_params(step)
-    finally:
-        checkpointer.close()
+    restored = _read_checkpoint(path, step)
     description = restored.meta.get("model_spec")
     if not description:
         raise JaxmemError(f"checkpoint step {restored.step} does not record its model; use the Python API")
