@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxmem._errors import JaxmemError
 from jaxmem._util import load_toml, parse_bytes, parse_int_list
 from jaxmem.schedule import Schedule, generate, load_csv, validate
 
 __all__ = ["TrainConfig", "add_arguments", "from_args", "parse_train_args"]
+
+# Integer settings and their least value; the optional ones may also be None.
+_INTEGER_FIELDS = {
+    "stages": 1,
+    "microbatches": 1,
+    "data_parallel": 1,
+    "steps": 1,
+    "seq_len": 1,
+    "batch_size": 1,
+    "warmup_steps": 0,
+    "eval_every": 0,
+    "eval_batches": 1,
+    "log_every": 1,
+    "checkpoint_every": 1,
+    "keep_checkpoints": 1,
+    "devices": 1,
+    "vocab_size": 1,
+}
+_OPTIONAL_FIELDS = ("devices", "vocab_size")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,24 +145,16 @@ class TrainConfig:
     sample_log: str | None = None
 
     def __post_init__(self):
-        for field in ("stages", "microbatches", "data_parallel", "steps", "seq_len", "batch_size"):
+        for field, minimum in _INTEGER_FIELDS.items():
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise JaxmemError(f"{field.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        import math
-
+            if value is None and field in _OPTIONAL_FIELDS:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise JaxmemError(f"--{field.replace('_', '-')} must be an integer >= {minimum}, got {value!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise JaxmemError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise JaxmemError(f"--lr-schedule is constant or cosine, got {self.lr_schedule!r}")
-        for field in ("warmup_steps", "eval_every"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise JaxmemError(f"--{field.replace('_', '-')} must be an integer >= 0, got {value!r}")
-        for field in ("eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise JaxmemError(f"--{field.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.warmup_steps >= self.steps and self.lr_schedule == "cosine":
             raise JaxmemError(
                 f"--warmup-steps ({self.warmup_steps}) leaves no steps of the cosine decay "
@@ -158,10 +170,6 @@ class TrainConfig:
             raise JaxmemError(f"--eval-fraction is a fraction in [0, 1), got {self.eval_fraction}")
         if self.eval_every and not self.eval_fraction:
             raise JaxmemError("--eval-every needs held-out data: add --eval-fraction (e.g. 0.05)")
-        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
-            raise JaxmemError(f"--vocab-size must be an integer >= 1, got {self.vocab_size!r}")
-        if self.devices is not None and (not isinstance(self.devices, int) or self.devices < 1):
-            raise JaxmemError(f"--devices must be an integer >= 1, got {self.devices!r}")
         if self.seq_len_schedule is not None and not self.adaptive:
             raise JaxmemError("--seq-len-schedule varies the program under the profiler: add --adaptive and --budget")
         if self.adaptive and self.checkpoint_dir:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
@@ -16,8 +17,9 @@ __all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "get_tokenizer"]
 EOS = "<|endoftext|>"
 
 
-class Tokenizer:
-    """Text <-> token ids. ``eos_id`` separates documents in a packed stream (None: a blank line does).
+class Tokenizer(abc.ABC):
+    """Text <-> token ids (subclass it and define the abstract methods). ``eos_id`` separates
+    documents in a packed stream (None: a blank line does).
 
     Attributes:
         name: what ``--tokenizer`` it came from (``byte``, ``bpe:4096``, a file).
@@ -32,15 +34,17 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
 
+    @abc.abstractmethod
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        raise NotImplementedError
+        """The ids of each text."""
 
+    @abc.abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        """The text of ``ids``."""
 
+    @abc.abstractmethod
     def fingerprint(self) -> str:
         """A short hash that changes whenever the id of any text would."""
-        raise NotImplementedError
 
     def save(self, directory: str) -> str | None:
         """Write what :func:`get_tokenizer` needs to load it again into ``directory``; the file, or None."""

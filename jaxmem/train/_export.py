@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError
+from jaxmem.data import BPETokenizer
 from jaxmem.train._checkpoint import MARKER, read_params
 
 __all__ = [
@@ -26,16 +27,18 @@ __all__ = [
 FORMAT = "jaxmem-export"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-TOKENIZER = "tokenizer.json"
+TOKENIZER = BPETokenizer.FILE
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def flatten_params(params) -> dict[str, np.ndarray]:
     """``{"blocks.0.attn.qkv.kernel": array, ...}``: one entry per array, named by its dict path."""
-    flat = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        flat[name] = np.asarray(jax.device_get(leaf))
-    return flat
+    return {
+        _path_name(path): np.asarray(jax.device_get(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
 
 
 def unflatten_params(flat: dict[str, np.ndarray], like) -> object:
@@ -62,10 +65,8 @@ def unflatten_params(flat: dict[str, np.ndarray], like) -> object:
 
 
 def flatten_names(tree) -> list[str]:
-    return [
-        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        for path, _ in jax.tree_util.tree_leaves_with_path(tree)
-    ]
+    """The names :func:`flatten_params` gives the arrays of ``tree``, in leaf order."""
+    return [_path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def _import_safetensors():
@@ -83,6 +84,26 @@ def _read_checkpoint(directory: str, step: int | None):
     if not os.path.exists(os.path.join(directory, MARKER)):
         raise JaxmemError(f"{directory} is not a jaxmem checkpoint directory (no {MARKER}); pass a --checkpoint-dir")
     return read_params(directory, step)
+
+
+def _checkpoint_model(directory: str, step: int | None, model=None):
+    """``(restored, description, model, params, flat)`` of a checkpoint step: the model rebuilt from the
+    step's metadata (or the one given), its parameters in its own tree and as named arrays."""
+    from jaxmem.models import describe_model, model_from_description
+
+    restored = _read_checkpoint(directory, step)
+    description = restored.meta.get("model_spec") or (describe_model(model) if model is not None else None)
+    if model is None:
+        if description is None:
+            raise JaxmemError(
+                f"checkpoint step {restored.step} does not say how to rebuild its model (a model of your own, or "
+                "saved before jaxmem 0.1 recorded it); use the Python API with model=your_model "
+                "(jaxmem.train.export_checkpoint or load_model)"
+            )
+        model = model_from_description(description)
+    # The checkpoint's own tree spells integer keys as strings: re-key through the names.
+    flat = flatten_params(restored.state["params"])
+    return restored, description, model, unflatten_params(flat, model.abstract_params()), flat
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = None, model=None, force=False):
@@ -103,20 +124,8 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = N
     Returns:
         ``config.json``'s content.
     """
-    from jaxmem.models import describe_model, model_from_description
-
-    restored = _read_checkpoint(checkpoint_dir, step)
+    restored, description, model, _, flat = _checkpoint_model(checkpoint_dir, step, model)
     meta = restored.meta
-    description = meta.get("model_spec") or (describe_model(model) if model is not None else None)
-    if model is None:
-        if description is None:
-            raise JaxmemError(
-                f"checkpoint step {restored.step} does not say how to rebuild its model (a model of your own, or "
-                "saved before jaxmem 0.1 recorded it); export it from Python: "
-                "jaxmem.train.export_checkpoint(dir, out, model=your_model)"
-            )
-        model = model_from_description(description)
-    params = unflatten_params(flatten_params(restored.state["params"]), model.abstract_params())
     if os.path.exists(os.path.join(out_dir, WEIGHTS)) and not force:
         raise JaxmemError(f"{out_dir} already holds an export ({WEIGHTS}); choose another -o or pass --force")
     os.makedirs(out_dir, exist_ok=True)
@@ -133,9 +142,8 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = N
         "step": restored.step,
         "tokenizer": "byte" if tokenizer == "byte" else TOKENIZER,
         "checkpoint": os.path.abspath(checkpoint_dir),
-        "param_count": int(sum(a.size for a in jax.tree.leaves(params))),
+        "param_count": int(sum(a.size for a in flat.values())),
     }
-    flat = flatten_params(params)
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
     _import_safetensors().save_file(flat, tmp, metadata={"format": FORMAT, "step": str(restored.step)})
     umask = os.umask(0)
@@ -188,19 +196,14 @@ def load_exported(directory: str, *, model=None) -> Exported:
     return Exported(model, params, tokenizer, config)
 
 
-def load_model(path: str, *, step: int | None = None) -> Exported:
-    """An export directory, or a checkpoint directory (its latest or given step), as :class:`Exported`."""
+def load_model(path: str, *, step: int | None = None, model=None) -> Exported:
+    """An export directory, or a checkpoint directory (its latest or given step), as :class:`Exported`
+    (``model``: for a model of your own)."""
     from jaxmem.data import get_tokenizer
-    from jaxmem.models import model_from_description
 
     if os.path.exists(os.path.join(path, CONFIG)):
-        return load_exported(path)
-    restored = _read_checkpoint(path, step)
-    description = restored.meta.get("model_spec")
-    if not description:
-        raise JaxmemError(f"checkpoint step {restored.step} does not record its model; use the Python API")
-    model = model_from_description(description)
-    params = unflatten_params(flatten_params(restored.state["params"]), model.abstract_params())
+        return load_exported(path, model=model)
+    restored, description, model, params, _ = _checkpoint_model(path, step, model)
     spec = restored.meta.get("tokenizer") or "byte"
     tokenizer = get_tokenizer("byte" if spec == "byte" else os.path.join(path, TOKENIZER))
     return Exported(model, params, tokenizer, {"step": restored.step, "model": description})

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxmem.data import Batch
+from jaxmem.data import Batch, BPETokenizer
 from jaxmem.train._state import TrainState
 
 __all__ = ["CheckpointHook", "Hook", "SampleLogHook", "StepInfo"]
@@ -78,7 +78,7 @@ class CheckpointHook(Hook):
         tokenizer = getattr(trainer, "tokenizer", None)
         if tokenizer is not None and jax.process_index() == 0:
             # A trained tokenizer lives beside the checkpoints: a resumed run and `jaxmem export` load it.
-            if not os.path.exists(os.path.join(checkpointer.directory, "tokenizer.json")):
+            if not os.path.exists(os.path.join(checkpointer.directory, BPETokenizer.FILE)):
                 tokenizer.save(str(checkpointer.directory))
         if checkpointer.latest_step() is None:
             return state

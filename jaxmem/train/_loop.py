@@ -20,13 +20,19 @@ from jaxmem.train._trainer import Trainer
 __all__ = ["TrainingError", "apply_plan", "default_hooks", "train"]
 
 
+def _hardware_name(config: TrainConfig) -> str:
+    """The hardware profile a config means: its own, or for ``auto`` the one of this platform."""
+    if config.hardware != "auto":
+        return config.hardware
+    return {"gpu": "h100", "tpu": "tpu-v5p"}.get(jax.devices()[0].platform, "cpu")
+
+
 def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[TrainConfig, dict]:
     """Replace the pipeline settings of a ``plan="auto"`` config with the configuration search's pick."""
     from jaxmem.memory import get_hardware
     from jaxmem.search import SearchError, search
 
-    platform = jax.devices()[0].platform
-    name = config.hardware if config.hardware != "auto" else {"gpu": "h100", "tpu": "tpu-v5p"}.get(platform, "cpu")
+    name = _hardware_name(config)
     devices = config.devices or config.data_parallel * config.stages
     result = search(
         config.build_model(),
@@ -77,8 +83,7 @@ def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line:
 def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:
     from jaxmem.memory import get_hardware
 
-    platform = jax.devices()[0].platform
-    name = config.hardware if config.hardware != "auto" else {"gpu": "h100", "tpu": "tpu-v5p"}.get(platform, "cpu")
+    name = _hardware_name(config)
     hardware = get_hardware(name)
     # CPU: the calibrated rate is the whole machine's (virtual devices share its cores).
     peak = hardware.peak_flops * (1 if name == "cpu" else config.data_parallel * config.stages)
