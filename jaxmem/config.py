@@ -25,10 +25,11 @@ _INTEGER_FIELDS = {
     "log_every": 1,
     "checkpoint_every": 1,
     "keep_checkpoints": 1,
+    "restore_step": 0,
     "devices": 1,
     "vocab_size": 1,
 }
-_OPTIONAL_FIELDS = ("devices", "vocab_size")
+_OPTIONAL_FIELDS = ("devices", "vocab_size", "restore_step")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,8 +64,9 @@ class TrainConfig:
         seed: parameter initialisation and data order.
         data: ``text`` (the embedded corpus), ``synthetic`` (random tokens), or files: comma-separated
             paths, globs or directories of text (``.txt``, ``.md``; a glob reads any file as text),
-            JSONL and Parquet files.
-        data_field: the JSONL field / Parquet column holding the text.
+            JSONL and Parquet files, or ``hf:NAME[:CONFIG]:SPLIT``, a Hugging Face dataset read
+            offline from the hub cache or a local directory (:func:`jaxmem.data.hf_documents`).
+        data_field: the JSONL field / Parquet / dataset column holding the text.
         tokenizer: ``byte`` (default), ``bpe:N`` (a byte-level BPE of N ids trained on the data and
             saved in the checkpoint directory), or the path of a ``tokenizer.json``.
         vocab_size: the vocabulary of a preset model (default: 256 for byte-level data, the
@@ -95,6 +97,8 @@ class TrainConfig:
         checkpoint_dir: save the train state here and resume from its latest complete step.
         checkpoint_every: save every N steps (and at the end).
         keep_checkpoints: keep the last K steps.
+        restore_step: resume from this step instead of the newest that verifies (which is the default:
+            a newest step that fails its checksums is announced, moved aside, and the next one tried).
         sample_log: append, per step, the sample numbers it consumed (rolled back on resume), to check
             that every sample is used exactly once.
     """
@@ -142,6 +146,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
+    restore_step: int | None = None
     sample_log: str | None = None
 
     def __post_init__(self):
@@ -172,6 +177,8 @@ class TrainConfig:
             raise JaxmemError("--eval-every needs held-out data: add --eval-fraction (e.g. 0.05)")
         if self.seq_len_schedule is not None and not self.adaptive:
             raise JaxmemError("--seq-len-schedule varies the program under the profiler: add --adaptive and --budget")
+        if self.restore_step is not None and not self.checkpoint_dir:
+            raise JaxmemError("--restore-step picks a step of --checkpoint-dir; add --checkpoint-dir")
         if self.adaptive and self.checkpoint_dir:
             raise JaxmemError("--adaptive runs do not checkpoint yet; drop --checkpoint-dir or --adaptive")
         if self.budget and not (self.plan or self.adaptive or self.run_dir):
@@ -254,10 +261,13 @@ def add_arguments(p) -> None:
     g.add_argument(
         "--data",
         metavar="SOURCE",
-        help="text (the embedded corpus, default), synthetic (random tokens), or your files: paths, globs or "
-        "directories of .txt/.md, .jsonl and .parquet files, comma-separated",
+        help="text (the embedded corpus, default), synthetic (random tokens), your files: paths, globs or "
+        "directories of .txt/.md, .jsonl and .parquet files, comma-separated, or a Hugging Face dataset: "
+        "hf:NAME[:CONFIG]:SPLIT, read offline from the hub cache or a local dataset directory (jaxmem[hf])",
     )
-    g.add_argument("--data-field", help="the JSONL field / Parquet column with the text (default: text)")
+    g.add_argument(
+        "--data-field", help="the JSONL field / Parquet / Hugging Face dataset column with the text (default: text)"
+    )
     g.add_argument(
         "--tokenizer",
         help="byte (default), bpe:N (train a byte-level BPE of N ids on --data; saved with the checkpoints), "
@@ -284,6 +294,11 @@ def add_arguments(p) -> None:
     g.add_argument("--checkpoint-dir", help="save here and resume from the latest complete checkpoint")
     g.add_argument("--checkpoint-every", type=int, help="save every N steps (default 10)")
     g.add_argument("--keep-checkpoints", type=int, help="keep the last K checkpoints (default 3)")
+    g.add_argument(
+        "--restore-step",
+        type=int,
+        help="resume from this checkpoint step (default: the newest that passes its checksums)",
+    )
     g.add_argument("--sample-log", help="log the sample numbers each step consumed (exactly-once checks)")
     g = p.add_argument_group("adaptive memory policy (online profiler)")
     g.add_argument(
@@ -343,9 +358,20 @@ def from_args(args) -> TrainConfig:
         values["budget"] = parse_bytes(values["budget"])
     if isinstance(values.get("layers_per_stage"), str):
         values["layers_per_stage"] = parse_int_list(values["layers_per_stage"], "--layers-per-stage")
-    if values.get("schedule_csv") and "schedule" not in values:
+    if values.get("schedule_csv") and values.get("schedule") is not None:
+        raise JaxmemError("--csv runs the schedule in its table; drop --schedule (or --csv)")
+    if values.get("plan") == "auto":
+        chosen = [n for n in _PLANNED if values.get(n) is not None]
+        if chosen:
+            flags = ", ".join("--" + ("csv" if n == "schedule_csv" else n.replace("_", "-")) for n in chosen)
+            raise JaxmemError(f"--plan auto chooses {flags} itself; drop {flags} (or --plan auto)")
+    if values.get("schedule_csv"):
         values["schedule"] = None
     return TrainConfig(**values)
+
+
+# What --plan auto chooses (jaxmem.train's plan step); setting one of them as well is refused.
+_PLANNED = ("schedule", "schedule_csv", "stages", "data_parallel", "microbatches", "virtual", "policy")
 
 
 def parse_train_args(argv) -> TrainConfig:

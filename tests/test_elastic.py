@@ -1,8 +1,10 @@
 """Elastic training: checkpoints, exact resume, restore onto smaller meshes, kills mid-save, the
 recovery planner, and a multi-process run that loses a worker."""
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxmem._errors import JaxmemError
 from jaxmem.config import TrainConfig
 from jaxmem.elastic import Checkpointer, CheckpointError
 from jaxmem.train import Trainer
@@ -81,14 +84,8 @@ def test_corrupted_array_is_caught_by_the_manifest(tmp_path):
     ckpt = Checkpointer(tmp_path / "ckpt", every=1)
     ckpt.save(1, *trainer.export_state(state))
     ckpt.close()
-    # Damage the stored data: flip bytes in the largest data file of the step.
-    files = [p for p in (tmp_path / "ckpt" / "1").rglob("*") if p.is_file() and "manifest" not in p.name]
-    victim = max(files, key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    for i in range(len(data) // 2, len(data) // 2 + 64):
-        data[i] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="checkpoint step 1"):
+    _damage(tmp_path / "ckpt" / "1")
+    with pytest.raises(CheckpointError, match="step 1 cannot be read|step 1: array .* does not match"):
         Checkpointer(tmp_path / "ckpt").restore(trainer.restore_target())
 
 
@@ -97,6 +94,100 @@ def test_a_directory_that_is_not_ours_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a jaxmem checkpoint directory"):
         Checkpointer(tmp_path)
     assert (tmp_path / "mine.txt").read_text() == "precious"
+
+
+def test_a_second_writer_is_refused_until_the_first_closes(tmp_path):
+    import jax.numpy as jnp
+
+    first = Checkpointer(tmp_path / "ckpt", every=1)
+    with pytest.raises(CheckpointError, match=f"in use by another jaxmem run \\(pid {os.getpid()}"):
+        Checkpointer(tmp_path / "ckpt")
+    first.save(1, {"w": jnp.ones((4,))}, {})
+    first.close()
+    second = Checkpointer(tmp_path / "ckpt")  # the lock went with the first writer
+    assert second.steps() == [1]
+    second.close()
+
+
+def _damage(step_dir):
+    """Flip bytes in the middle of the largest array data file of a step."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+def test_a_damaged_latest_step_falls_back_and_is_kept_aside(tmp_path):
+    import jax.numpy as jnp
+
+    def state(step):  # random values: the stored files are as large as the array
+        return {"w": jnp.asarray(np.random.default_rng(step).standard_normal(4096), jnp.float32)}
+
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, state(step), {"seed": 0})
+    ckpt.close()
+    _damage(tmp_path / "ckpt" / "3")
+    target = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    lines = []
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
+    restored = ckpt.restore(target, log=lines.append)
+    assert restored.step == 2
+    np.testing.assert_array_equal(restored.state["w"], state(2)["w"])
+    assert "checkpoint step 3 fails verification" in lines[0] and "falling back to checkpoint step 2" in lines[-1]
+    assert (tmp_path / "ckpt" / "3.damaged").is_dir() and ckpt.steps() == [2]
+    # The run goes on: step 3 is saved afresh and keep-last-2 collects only good steps.
+    ckpt.save(3, state(30), {})
+    ckpt.save(4, state(40), {})
+    ckpt.close()
+    assert Checkpointer(tmp_path / "ckpt").steps() == [3, 4] and (tmp_path / "ckpt" / "3.damaged").is_dir()
+    # An explicit older step: the newer ones are moved aside (kept), not overwritten.
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    np.testing.assert_array_equal(ckpt.restore(target, 3, log=lines.append).state["w"], state(30)["w"])
+    assert ckpt.steps() == [3] and (tmp_path / "ckpt" / "4.superseded").is_dir()
+    with pytest.raises(CheckpointError, match=r"no checkpoint step 7 .*steps: \[3\]"):
+        ckpt.restore(target, 7)
+    ckpt.close()
+
+
+def test_no_step_that_verifies_and_a_step_without_a_manifest_are_refused(tmp_path):
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    args = ocp.args.Composite(state=ocp.args.StandardSave({"w": jnp.ones((4,))}), meta=ocp.args.JsonSave({}))
+    ckpt.manager.save(1, args=args)  # written around jaxmem's save: no checksum manifest
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="no checkpoint step .* verifies .*step 1 has no checksum manifest"):
+        ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    assert ckpt.steps() == [1]  # nothing moved when nothing verifies
+    ckpt.close()
+
+
+def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path):
+    config = TrainConfig(stages=2, **SMALL)
+    trainer = Trainer(config)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    ckpt.save(1, *trainer.export_state(trainer.init_state()))
+    ckpt.close()
+    target = trainer.restore_target()
+    name = next(p for p, x in jax.tree_util.tree_leaves_with_path(target) if x.ndim)
+    other = jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            jax.ShapeDtypeStruct((x.shape[0] + 1, *x.shape[1:]), x.dtype, sharding=x.sharding) if p == name else x
+        ),
+        target,
+    )
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="saved by a different model or optimizer .*1 shape.s. differ"):
+        ckpt.restore(other)
+    restored = ckpt.restore(target)
+    ckpt.close()
+    with pytest.raises(JaxmemError, match="trained with --seed 0, this run has --seed 5"):
+        Trainer(dataclasses.replace(config, seed=5)).import_state(restored.state, restored.meta)
 
 
 def test_an_unfinished_save_never_becomes_latest(tmp_path):
@@ -174,21 +265,29 @@ def test_recovery_planner_scores_every_strategy():
 def test_shared_core_model_and_calibration():
     """The CPU model is the documented lockstep sum, and the pre-failure measurement calibrates it:
     the unchanged plan (restart on spares) is predicted at exactly the measured step."""
-    from jaxmem.elastic import _recovery as rec  # the model's private pieces, tested against its docstring
+    from jaxmem.memory import _cost as cost  # the model's constants, tested against its docstring
     from jaxmem.schedule import Costs, generate, lockstep_ticks
 
     schedule = generate("1f1b", 2, 1)  # ticks: 0F0, 1F0, 1B0, 0B0 -- one busy rank per tick
     costs = Costs(f=1.0, b=2.0)
     free_ticks = float("inf")  # a FLOP rate that makes the fixed tick cost vanish
-    seconds = rec._step_seconds(schedule, costs, 1, 2, free_ticks)
+    c = cost.Lockstep(step_flops=3.0, tick_flops=1.0, imbalance=0.25)
+    seconds = cost.shared_core_step_seconds(schedule, costs, 1, 2, free_ticks, c)
     assert len(set(lockstep_ticks(schedule).values())) == 4
-    assert seconds == pytest.approx((0.5 + rec.CPU_IMBALANCE * 0.5) * (1 + 1 + 2 + 2))
-    # Each tick's fixed cost is CPU_TICK_FLOPS at the hardware's rate.
-    assert rec._step_seconds(schedule, costs, 1, 2, rec.CPU_TICK_FLOPS) == pytest.approx(seconds + 4)
+    assert seconds == pytest.approx((0.5 + 0.25 * 0.5) * (1 + 1 + 2 + 2))
+    # The step's fixed cost plus each tick's, at the hardware's rate (here 1 FLOP/s).
+    assert cost.shared_core_step_seconds(schedule, costs, 1, 2, 1.0, c) == pytest.approx(seconds + 3 + 4)
     # Data parallel 2 on 2 cores: both replicas' work spreads evenly, no imbalance term.
-    assert rec._step_seconds(schedule, costs, 2, 2, free_ticks) == pytest.approx(6.0)
-    # One device per accelerator (no shared cores): the simulated makespan, no tick cost.
-    assert rec._step_seconds(schedule, costs, 1, None, 1.0) == 6.0
+    assert cost.shared_core_step_seconds(schedule, costs, 2, 2, free_ticks, c) == pytest.approx(6.0)
+    # estimate() uses the model only when the profile's cores are fewer than the devices.
+    cpu = cost.HARDWARE["cpu"]
+    shared = dataclasses.replace(cpu, cores=2)
+    est = cost.estimate("tiny", generate("1f1b", 4, 4), batch=32, seq=64, hardware=shared, memory=False)
+    assert est.step_seconds == pytest.approx(
+        cost.shared_core_step_seconds(est.simulation.schedule, est.costs, 1, 2, cpu.flops_per_second)
+    )
+    own = cost.estimate("tiny", generate("1f1b", 4, 4), batch=32, seq=64, hardware=cpu, memory=False)
+    assert own.step_seconds == own.simulation.makespan < est.step_seconds
 
     config = TrainConfig(stages=4, microbatches=4, batch_size=32, seq_len=64, steps=48)
     plan = _plan(config, nprocs=2, steps_done=19, last_checkpoint=16, measured_step_seconds=0.3, cores=2)
@@ -245,7 +344,7 @@ def test_elastic_recovery_cli_and_its_errors(capsys):
     cpu_args = ["--devices-per-proc", "2", "--hardware", "cpu", "--step-seconds", "0.3", "--json", "--", *train_args]
     code = main(["elastic", "recovery", "--devices", "4", "--failed", "1", *cpu_args])
     record = json.loads(capsys.readouterr().out)
-    from jaxmem.elastic import cpu_cores
+    from jaxmem.memory import cpu_cores
 
     expected = _plan(
         TrainConfig(stages=4, microbatches=4, batch_size=32, seq_len=64, steps=48),
@@ -335,3 +434,88 @@ def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
     _, reference = _run(trainer, trainer.init_state(), 10)
     np.testing.assert_allclose(summary["losses"], reference[-len(summary["losses"]) :], rtol=1e-5)
     assert time.time() - start < 560
+
+
+# ---------------------------------------------------------------- the launcher owns its workers
+def _alive(pattern: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return out.split()
+
+
+def test_workers_die_with_their_launcher_however_it_dies(tmp_path):
+    """The parent-death signal: a SIGKILLed parent's worker gets SIGTERM at once."""
+    marker = f"jaxmem-orphan-{os.getpid()}-{time.time_ns()}"
+    parent = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from jaxmem.elastic._launcher import _die_with_parent
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "{marker}"],
+                         preexec_fn=_die_with_parent, start_new_session=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.time() + 30
+    while not _alive(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _alive(marker), "the worker did not start"
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while _alive(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(marker)
+
+
+def test_the_hung_worker_is_blamed_not_the_peer_that_noticed():
+    from jaxmem.elastic._launcher import _blame, _stop
+
+    hung = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    peer = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        os.kill(hung.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        # The peer aborted (a collective timed out, exit 1) while the hung worker is still "running".
+        codes, beats = [None, 1], [100.0, 200.0]
+        assert _blame([hung, peer], codes, beats, bad=[1], stale=[]) == 0
+        # Without a stopped one: the signal-killed worker, then the oldest silent, then the first error.
+        os.kill(hung.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        assert _blame([hung, peer], [1, -9], beats, bad=[0, 1], stale=[]) == 1
+        assert _blame([hung, peer], [None, None], [300.0, 200.0], bad=[], stale=[0, 1]) == 1
+        assert _blame([hung, peer], [2, 1], beats, bad=[0, 1], stale=[]) == 0
+        os.kill(hung.pid, signal.SIGSTOP)  # _stop continues a stopped worker so it can exit
+    finally:
+        _stop([hung, peer], grace=10)
+    assert hung.returncode is not None and peer.returncode is not None
+
+
+def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_not_a_failure(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--stages", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxmem", "launch", "--nprocs", "2", "--run-dir", str(run_dir), "--timeout", "400"]
+    proc = subprocess.Popen(
+        [*cmd, "--", *args, "--checkpoint-every", "1000"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 300
+    beat = run_dir / "heartbeat-0-0"
+    from jaxmem.elastic import read_heartbeat
+
+    while (read_heartbeat(beat)[0] or 0) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    reached = read_heartbeat(beat)[0]
+    assert reached and reached >= 3, proc.stderr.read() if proc.poll() is not None else "no progress"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=200)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "launcher got SIGTERM" in err and "Traceback" not in err.split("launcher got SIGTERM")[-1]
+    assert not _alive(str(run_dir))  # no worker left behind
+    saved = Checkpointer(run_dir / "checkpoints").latest_step()
+    assert saved is not None and saved >= reached  # the interrupted step was saved, not the last periodic one
+    # A worker that stops on a jaxmem error (here: a step that does not exist) ends the job with that
+    # error: no re-plan onto fewer workers, no hardware blame.
+    proc = subprocess.run(
+        [*cmd, "--", *args, "--restore-step", str(saved + 1000)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "stopped on an error (not a failure to recover from)" in proc.stderr
+    assert f"no checkpoint step {saved + 1000}" in proc.stderr and "planning recovery" not in proc.stderr

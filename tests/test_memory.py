@@ -111,7 +111,7 @@ def test_live_stash_follows_the_schedule():
 def test_memory_cli_json(capsys, tmp_path):
     from jaxmem.cli import main
 
-    png = tmp_path / "ledger.png"
+    svg = tmp_path / "ledger.svg"
     code = main(
         [
             "memory",
@@ -125,18 +125,28 @@ def test_memory_cli_json(capsys, tmp_path):
             "16",
             "--policy",
             "selective",
+            "--budget",
+            "1.5MiB",
             "--json",
             "-o",
-            str(png),
+            str(svg),
         ]
     )
     report = json.loads(capsys.readouterr().out)
-    assert code == 0 and png.stat().st_size > 1000
-    assert report["policy"] == "selective" and report["schedule"] == "1f1b"
+    assert code == 0 and report["policy"] == "selective" and report["schedule"] == "1f1b"
+    assert report["budget_bytes"] == 1.5 * 2**20
+    text = svg.read_text()
     for rank in report["ranks"]:
         for key in ("predicted_device_bytes", "predicted_host_bytes", "compiled_device_bytes", "categories"):
             assert key in rank
         assert set(rank["categories"]) == {"params", "grads", "optimizer_state", "stash", "transient"}
+        assert rank["fits_budget"] == (rank["compiled_device_bytes"] <= 1.5 * 2**20)
+        # The chart labels each bar with its total: predicted, and the compiled program's buffers.
+        assert f"{rank['predicted_device_bytes'] / 2**20:,.2f}" in text
+        program = sum(c["program_device"] for c in rank["categories"].values())
+        assert f"{program / 2**20:,.2f}" in text
+    for label in ("budget 1.50 MiB", "compiled total (memory_analysis)", "live stash", "predicted | compiled | host"):
+        assert label in text
 
 
 def test_mixed_precision_ledger_counts_bf16_stash_and_float32_state():

@@ -5,6 +5,9 @@ TensorBoard events, bit-exact resume, export to safetensors and back, sampling."
 import dataclasses
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -99,6 +102,55 @@ def test_jsonl_and_parquet_documents(tmp_path):
         load_corpus(str(tmp_path / "d.jsonl"))
     with pytest.raises(JaxmemError, match="no column 'text'"):
         load_corpus(str(tmp_path / "d.parquet"))
+
+
+def test_hugging_face_datasets_from_the_hub_cache_and_local_directories(tmp_path):
+    """``hf:NAME[:SPLIT]`` reads a hub dataset from the hub cache offline (a snapshot laid out as the
+    hub writes it), a ``save_to_disk`` directory, and names what is wrong otherwise. In a subprocess:
+    the hub cache's location is read when huggingface_hub is imported."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    revision = "0" * 40
+    repo = tmp_path / "home" / "hub" / "datasets--someone--toy"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    files = repo / "snapshots" / revision / "data"
+    files.mkdir(parents=True)
+    pq.write_table(pa.table({"body": [f"train doc {i}" for i in range(4)]}), files / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table({"body": ["test doc 0", "test doc 1"]}), files / "test-00000-of-00001.parquet")
+    script = textwrap.dedent(
+        f"""
+        import datasets, json
+        from jaxmem import JaxmemError
+        from jaxmem.data import load_corpus
+        saved = {str(tmp_path / "saved")!r}
+        datasets.Dataset.from_dict({{"body": ["saved a", "saved b"]}}).save_to_disk(saved)
+        out = {{}}
+        for spec in ["hf:someone/toy", "hf:someone/toy:test", "hf:" + saved]:
+            c = load_corpus(spec, field="body")
+            out[spec] = [c.name, c.documents, bytes(c.tokens.astype("uint8")).decode()]
+        for spec, field in [("hf:someone/missing", "body"), ("hf:someone/toy:dev", "body"),
+                            ("hf:someone/toy", "text"), ("hf:a:b:c:d", "body")]:
+            try:
+                load_corpus(spec, field=field)
+            except JaxmemError as e:
+                out[spec + "|" + field] = str(e)
+        print(json.dumps(out))
+        """
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home")}
+    env.pop("HF_DATASETS_OFFLINE", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["hf:someone/toy"] == ["someone/toy (train)", 4, "\n\n".join(f"train doc {i}" for i in range(4))]
+    assert out["hf:someone/toy:test"][1:] == [2, "test doc 0\n\ntest doc 1"]
+    assert out["hf:" + str(tmp_path / "saved")][1:] == [2, "saved a\n\nsaved b"]
+    assert "must already be in the local cache" in out["hf:someone/missing|body"]
+    assert "dev" in out["hf:someone/toy:dev|body"] and "train" in out["hf:someone/toy:dev|body"]
+    assert "no column 'text' (has: body); pass --data-field" in out["hf:someone/toy|text"]
+    assert "hf:NAME:CONFIG:SPLIT" in out["hf:a:b:c:d|body"]
 
 
 @pytest.mark.parametrize(
@@ -275,7 +327,8 @@ def test_a_non_finite_loss_stops_the_run_at_its_step_and_saves_nothing_of_it(tmp
     trainer = Trainer(config, optimizer=optax.sgd(float("nan")))  # the first update makes every weight nan
     with pytest.raises(TrainingError, match="loss is nan at step 2"):
         train(config, trainer=trainer, progress=False)
-    assert sorted(os.listdir(config.checkpoint_dir)) == ["1", "jaxmem_checkpoints.json"]
+    saved = sorted(n for n in os.listdir(config.checkpoint_dir) if n != ".jaxmem.lock")  # the run's lock stays
+    assert saved == ["1", "jaxmem_checkpoints.json"]
 
 
 def test_cli_export_and_sample(straight, tmp_path, capsys):

@@ -294,10 +294,27 @@ def test_reuse_distance_is_longest_on_the_first_rank():
 
 
 # ---------------------------------------------------------------- drawing
-@pytest.mark.parametrize("suffix", [".png", ".svg"])
-def test_draw(tmp_path, suffix):
-    path = draw(generate("zb-h1", 4, 8), tmp_path / f"s{suffix}")
-    assert path.stat().st_size > 1000
+@pytest.mark.parametrize("microbatches", [4, 32])
+def test_draw_is_about_two_to_one_with_a_legend_and_one_scale(tmp_path, microbatches):
+    """Short or long, the chart is about twice as wide as high; the SVG keeps its text, so the
+    legend (kinds, the pale shade of a rank's second stage, the box label) and the shared scale can
+    be read back."""
+    import matplotlib.image
+
+    png = draw(generate("zbv", 4, microbatches), tmp_path / "s.png")
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert 1.6 < width / height < 2.5
+    svg = draw(generate("zbv", 4, microbatches), tmp_path / "s.svg").read_text()
+    for text in ("F forward", "I input-grad", "W weight-grad", "pale: the rank", "box label: stage:microbatch"):
+        assert text in svg
+    assert "same scale on every rank" in svg and "time (one forward = 1)" in svg
+    plain = draw(generate("1f1b", 2, 4), tmp_path / "p.svg").read_text()
+    assert "box label: microbatch" in plain and "pale" not in plain and "B backward" in plain
+
+
+def test_draw_in_bytes_when_the_costs_carry_them(tmp_path):
+    svg = draw(generate("1f1b", 4, 8), tmp_path / "b.svg", Costs(activation_bytes=3 * 2**20)).read_text()
+    assert "live activations (MiB" in svg and "peak live [12, 9, 6, 3] MiB" in svg
 
 
 def test_draw_rejects_unknown_format(tmp_path):

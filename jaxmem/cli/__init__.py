@@ -15,12 +15,17 @@ recompute/offload policies per stage, an honest memory ledger, and planners that
 budget. Run `jaxmem COMMAND --help` for one command's options."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in two lines (what is wrong, where the options are), not the whole usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxmem.cli import schedule as schedule_cli
 
-    parser = argparse.ArgumentParser(
-        prog="jaxmem", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = _Parser(prog="jaxmem", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     schedule_cli.add_parser(sub)

@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import sys
 
 from jaxmem._util import load_toml as load_toml
 from jaxmem._util import parse_bytes as parse_bytes
 from jaxmem._util import parse_int_list as parse_int_list
+
+
+def _number(kind, least: float, strict: bool, what: str):
+    """An argparse ``type`` that reads a ``kind`` and refuses values below ``least`` (or equal to it,
+    when ``strict``) and non-finite ones, with a message naming the rule."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < least or (strict and value == least):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, 1, False, "an integer >= 1")
+non_negative_int = _number(int, 0, False, "an integer >= 0")
+positive_float = _number(float, 0.0, True, "a number > 0")
+non_negative_float = _number(float, 0.0, False, "a finite number >= 0")
 
 
 def setup_devices(count: int | None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import print_json
+from jaxmem.cli._common import non_negative_float, non_negative_int, positive_float, positive_int, print_json
 
 _EPILOG = """\
 examples:
@@ -27,14 +27,16 @@ def add_parser(sub) -> None:
     )
     actions = p.add_subparsers(dest="elastic_command", metavar="ACTION")
     a = actions.add_parser("recovery", help="score the recovery strategies for a failure")
-    a.add_argument("--devices", type=int, required=True, help="devices of the job before the failure")
-    a.add_argument("--failed", type=int, action="append", required=True, help="failed device rank (repeatable)")
-    a.add_argument("--devices-per-proc", type=int, default=1, help="devices per process (the unit that fails)")
-    a.add_argument("--spares", type=int, default=0, help="spare processes")
-    a.add_argument("--steps-done", type=int, default=0, help="steps reached before the failure")
-    a.add_argument("--last-checkpoint", type=int, default=0, help="step of the last complete checkpoint")
-    a.add_argument("--step-seconds", type=float, help="measured step time before the failure")
-    a.add_argument("--restart-seconds", type=float, default=15.0, help="restart + compile + restore time")
+    a.add_argument("--devices", type=positive_int, required=True, help="devices of the job before the failure")
+    a.add_argument(
+        "--failed", type=non_negative_int, action="append", required=True, help="failed device rank (repeatable)"
+    )
+    a.add_argument("--devices-per-proc", type=positive_int, default=1, help="devices per process (the unit that fails)")
+    a.add_argument("--spares", type=non_negative_int, default=0, help="spare processes")
+    a.add_argument("--steps-done", type=non_negative_int, default=0, help="steps reached before the failure")
+    a.add_argument("--last-checkpoint", type=non_negative_int, default=0, help="step of the last complete checkpoint")
+    a.add_argument("--step-seconds", type=positive_float, help="measured step time before the failure")
+    a.add_argument("--restart-seconds", type=non_negative_float, default=15.0, help="restart + compile + restore time")
     a.add_argument(
         "--hardware",
         default="h100",
@@ -50,7 +52,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from jaxmem._errors import JaxmemError
     from jaxmem.config import parse_train_args
-    from jaxmem.elastic import choose_recovery, cpu_cores
+    from jaxmem.elastic import choose_recovery
+    from jaxmem.memory import cpu_cores
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     config = parse_train_args(train_args)

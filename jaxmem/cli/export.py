@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import print_json, setup_devices
+from jaxmem.cli._common import non_negative_float, non_negative_int, positive_int, print_json, setup_devices
 
 _EXPORT_EPILOG = """\
 Writes OUT/model.safetensors (every parameter in the model's own layout and dtype, named by its path,
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("checkpoint", help="a --checkpoint-dir of jaxmem train")
     p.add_argument("-o", "--out", required=True, help="output directory (created if missing)")
-    p.add_argument("--step", type=int, help="which step (default: the latest)")
+    p.add_argument("--step", type=non_negative_int, help="which step (default: the latest)")
     p.add_argument("--force", action="store_true", help="overwrite an earlier export in OUT")
     p.add_argument("--json", action="store_true", help="print config.json")
     p.set_defaults(run=run_export)
@@ -53,11 +53,11 @@ def add_parser(sub) -> None:
     )
     s.add_argument("path", help="an export directory or a checkpoint directory")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    s.add_argument("--tokens", type=int, default=100, help="new tokens to generate (default 100)")
-    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    s.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
+    s.add_argument("--tokens", type=positive_int, default=100, help="new tokens to generate (default 100)")
+    s.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default 0.8)")
+    s.add_argument("--top-k", type=positive_int, help="sample among the K most likely tokens")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    s.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    s.add_argument("--step", type=non_negative_int, help="checkpoint step (default: the latest)")
     s.set_defaults(run=run_sample)
 
 

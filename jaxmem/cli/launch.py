@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import print_json
+from jaxmem.cli._common import non_negative_int, positive_float, positive_int, print_json
 
 _EPILOG = """\
 examples:
@@ -29,11 +29,11 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nprocs", type=int, required=True, help="worker processes")
-    p.add_argument("--devices-per-proc", type=int, default=1, help="devices per worker (default 1)")
+    p.add_argument("--nprocs", type=positive_int, required=True, help="worker processes")
+    p.add_argument("--devices-per-proc", type=positive_int, default=1, help="devices per worker (default 1)")
     p.add_argument(
         "--heartbeat-seconds",
-        type=float,
+        type=positive_float,
         default=60.0,
         help="fail a worker whose last step is older than this (default 60)",
     )
@@ -44,11 +44,15 @@ def add_parser(sub) -> None:
         metavar="rank=R,step=K",
         help="SIGKILL worker R at step K (repeatable)",
     )
-    p.add_argument("--spares", type=int, default=0, help="idle processes that can replace failed ones")
-    p.add_argument("--strategy", help="force a recovery strategy instead of the planner's choice")
-    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--spares", type=non_negative_int, default=0, help="idle processes that can replace failed ones")
+    p.add_argument(
+        "--strategy",
+        help="force a recovery strategy instead of the planner's choice: restart-on-spares, shrink-data-parallel or "
+        "re-partition",
+    )
+    p.add_argument("--max-restarts", type=non_negative_int, default=3)
     p.add_argument("--run-dir", help="logs, heartbeats, checkpoints (default runs/launch-<time>)")
-    p.add_argument("--timeout", type=float, help="give up after this many seconds")
+    p.add_argument("--timeout", type=positive_float, help="give up after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then jaxmem train arguments")
     p.set_defaults(run=run)
@@ -57,23 +61,27 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from jaxmem.elastic import launch, parse_failure
+    from jaxmem.elastic import LaunchInterrupted, launch, parse_failure
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     failures = [parse_failure(f) for f in args.inject_failure]
-    result = launch(
-        train_args,
-        nprocs=args.nprocs,
-        devices_per_proc=args.devices_per_proc,
-        heartbeat_seconds=args.heartbeat_seconds,
-        failures=failures,
-        spares=args.spares,
-        run_dir=args.run_dir,
-        max_restarts=args.max_restarts,
-        strategy=args.strategy,
-        log=lambda line: print(line, file=sys.stderr),
-        timeout=args.timeout,
-    )
+    try:
+        result = launch(
+            train_args,
+            nprocs=args.nprocs,
+            devices_per_proc=args.devices_per_proc,
+            heartbeat_seconds=args.heartbeat_seconds,
+            failures=failures,
+            spares=args.spares,
+            run_dir=args.run_dir,
+            max_restarts=args.max_restarts,
+            strategy=args.strategy,
+            log=lambda line: print(line, file=sys.stderr),
+            timeout=args.timeout,
+        )
+    except LaunchInterrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 128 + e.signum
     if args.json:
         print_json(result.to_json())
     return 0 if result.ok else 1

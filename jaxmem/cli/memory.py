@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import print_json, setup_devices
+from jaxmem._util import parse_bytes
+from jaxmem.cli._common import positive_int, print_json, setup_devices
 
 _EPILOG = """\
 examples:
@@ -35,13 +36,13 @@ def add_parser(sub) -> None:
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     p.add_argument("--schedule", default="1f1b", help="schedule name (default 1f1b)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
-    p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (default 4)")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches M (default 8)")
-    p.add_argument("--virtual", type=int, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--stages", type=positive_int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
+    p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
     p.add_argument("--policy", default="save-all", help="policy preset or TOML file (default save-all)")
-    p.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
-    p.add_argument("--seq-len", type=int, default=64, help="sequence length (default 64)")
-    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel replicas (default 1)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default 32)")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="sequence length (default 64)")
+    p.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel replicas (default 1)")
     p.add_argument(
         "--compile",
         choices=["auto", "yes", "no"],
@@ -49,7 +50,17 @@ def add_parser(sub) -> None:
         help="compile the step for the compiled column (auto: when it needs < 2 GiB in all)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("-o", "--output", help="bar chart of the ledger (.png/.svg)")
+    p.add_argument(
+        "--budget",
+        help="device memory per device to check against, e.g. 12MiB (drawn as a line with -o; the table "
+        "and JSON say whether each rank fits)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        help="bar chart: per rank, predicted and compiled bytes by category side by side, host bytes, "
+        "live stash and budget (.png/.svg/.pdf)",
+    )
     p.set_defaults(run=run)
 
 
@@ -125,6 +136,12 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
     return report
 
 
+def _device_total(row: dict) -> float:
+    """A rank's device bytes: the compiled total when compiled, else the predicted one."""
+    compiled = row["compiled_device_bytes"]
+    return row["predicted_device_bytes"] if compiled is None else compiled
+
+
 def _mib(x) -> str:
     return "-" if x is None else f"{x / 2**20:,.2f}"
 
@@ -170,45 +187,113 @@ def print_table(report: dict) -> None:
             _mib(row["live_stash_bytes"]),
         )
     console.print(table)
+    budget = report.get("budget_bytes")
+    if budget:
+        over = [row["rank"] for row in report["ranks"] if not row["fits_budget"]]
+        source = "compiled" if report["ranks"][0]["compiled_device_bytes"] is not None else "predicted"
+        console.print(
+            f"budget {_mib(budget)} MiB per device: "
+            + (f"ranks {over} exceed it ({source} bytes)" if over else f"every rank fits ({source} bytes)")
+        )
     for note in report["notes"]:
         console.print(f"note: {note}")
 
 
-def draw_ledger(report: dict, path: str) -> None:
+def draw_ledger(report: dict, path: str, budget: float | None = None) -> None:
+    """Per rank, side by side: the predicted device bytes and the compiled program's, stacked by
+    category in the same colours (the compiled bar hatched, with ``memory_analysis()``'s total as a
+    black line), the predicted host bytes, and the rank's own live stash as a gold tick inside the
+    stash; numbers on every bar, and the budget as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     from jaxmem.memory import CATEGORIES
 
-    ranks = [row["rank"] for row in report["ranks"]]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(ranks) + 3), 4))
-    bottom = [0.0] * len(ranks)
-    for name in CATEGORIES:
-        heights = [row["categories"][name]["predicted_device"] / 2**20 for row in report["ranks"]]
-        ax.bar([r - 0.2 for r in ranks], heights, width=0.4, bottom=bottom, label=f"{name} (predicted)")
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    host = [row["predicted_host_bytes"] / 2**20 for row in report["ranks"]]
-    ax.bar([r + 0.2 for r in ranks], host, width=0.4, color="lightgrey", hatch="//", label="host (predicted)")
-    compiled = [row["compiled_device_bytes"] for row in report["ranks"]]
-    if all(c is not None for c in compiled):
-        ax.scatter(
-            ranks,
-            [c / 2**20 for c in compiled],
-            marker="_",
-            s=900,
-            color="black",
-            zorder=3,
-            label="compiled device total",
+    rows = report["ranks"]
+    ranks = [row["rank"] for row in rows]
+    compiled_known = all(row["compiled_device_bytes"] is not None for row in rows)
+    colors = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors))
+    width = 0.27
+    offsets = (
+        {"predicted": -width, "compiled": 0.0, "host": width} if compiled_known else {"predicted": -0.15, "host": 0.15}
+    )
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 * len(ranks) + 3.5), 4.5))
+    top = 0.0
+
+    def label_bar(x, height, text):
+        ax.text(x, height, text, ha="center", va="bottom", fontsize=7)
+
+    for i, row in enumerate(rows):
+        stacks = [("predicted", "predicted_device", None)] + (
+            [("compiled", "program_device", "//")] if compiled_known else []
         )
-    ax.set_xticks(ranks)
-    ax.set_xticklabels([f"rank {r}" for r in ranks])
-    ax.set_ylabel("MiB")
-    ax.set_title(f"{report['model']} {report['schedule']}, policy {report['policy']}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+        for bar, key, hatch in stacks:
+            x = i + offsets[bar]
+            bottom = 0.0
+            for name in CATEGORIES:
+                height = row["categories"][name][key] / 2**20
+                ax.bar(x, height, width=width, bottom=bottom, color=colors[name], hatch=hatch, edgecolor="white")
+                if name == "stash" and bar == "predicted" and row.get("live_stash_bytes") is not None:
+                    live = bottom + row["live_stash_bytes"] / 2**20
+                    ax.plot([x - width / 2, x + width / 2], [live, live], color="gold", linewidth=3)
+                bottom += height
+            label_bar(x, bottom, f"{bottom:,.2f}")
+            top = max(top, bottom)
+        if compiled_known:
+            total = row["compiled_device_bytes"] / 2**20
+            x = i + offsets["compiled"]
+            ax.plot([x - width / 2, x + width / 2], [total, total], color="black", linewidth=2)
+            if abs(total - bottom) > 0.02 * max(total, 1e-9):
+                ax.text(x + width / 2, total, f" {total:,.2f}", fontsize=7, va="center", ha="left")
+            top = max(top, total)
+        host = row["predicted_host_bytes"] / 2**20
+        ax.bar(i + offsets["host"], host, width=width, color="lightgrey", hatch="..", edgecolor="grey")
+        label_bar(i + offsets["host"], host, f"{host:,.2f}")
+        top = max(top, host)
+    if budget:
+        ax.axhline(budget / 2**20, color="red", linestyle="--", linewidth=1)
+        ax.text(
+            len(ranks) - 0.5,
+            budget / 2**20,
+            f"budget {budget / 2**20:,.2f} MiB",
+            color="red",
+            fontsize=7,
+            ha="right",
+            va="bottom",
+        )
+        top = max(top, budget / 2**20)
+    ax.set_ylim(0, top * 1.12 or 1.0)
+    ax.set_xticks(range(len(ranks)))
+    bars = " | ".join(offsets)
+    ax.set_xticklabels([f"rank {r}\n{bars}" for r in ranks], fontsize=8)
+    ax.set_ylabel("MiB per device")
+    ax.set_title(
+        f"{report['model']} {report['schedule']}, policy {report['policy']}: device memory predicted"
+        + (" vs compiled" if compiled_known else " (not compiled)"),
+        fontsize=9,
+    )
+    handles = [Patch(color=colors[name], label=name.replace("_", " ")) for name in CATEGORIES]
+    if compiled_known:
+        handles += [
+            Patch(facecolor="white", edgecolor="grey", hatch="//", label="compiled (program's buffers)"),
+            Line2D([], [], color="black", linewidth=2, label="compiled total (memory_analysis)"),
+        ]
+    handles += [
+        Patch(facecolor="lightgrey", edgecolor="grey", hatch="..", label="host (predicted)"),
+        Line2D([], [], color="gold", linewidth=3, label="rank's own live stash (peak need)"),
+    ]
+    if budget:
+        handles.append(Line2D([], [], color="red", linestyle="--", label="budget"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    try:
+        with matplotlib.rc_context({"svg.fonttype": "none"}):  # an SVG keeps its text as text
+            fig.savefig(path, dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def run(args) -> int:
@@ -216,11 +301,16 @@ def run(args) -> int:
 
     if args.output and not args.output.lower().endswith((".png", ".svg", ".pdf")):
         raise JaxmemError(f"cannot draw to {args.output!r}: use a .png, .svg or .pdf file name")
+    budget = parse_bytes(args.budget, "--budget") if args.budget else None
     config = _config(args)
     setup_devices(config.data_parallel * config.stages)
     report = ledger_report(config, args.compile)
+    if budget:
+        report["budget_bytes"] = budget
+        for row in report["ranks"]:
+            row["fits_budget"] = _device_total(row) <= budget
     if args.output:
-        draw_ledger(report, args.output)
+        draw_ledger(report, args.output, budget)
     if args.json:
         print_json(report)
     else:

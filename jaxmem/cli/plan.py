@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import parse_bytes, print_json
+from jaxmem.cli._common import parse_bytes, positive_float, positive_int, print_json
 
 _EPILOG = """\
 examples:
@@ -33,13 +33,13 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. gpt2-xl, llama-8b)")
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
-    p.add_argument("--devices", type=int, required=True, help="devices available (pipe x data)")
+    p.add_argument("--devices", type=positive_int, required=True, help="devices available (pipe x data)")
     p.add_argument("--budget", required=True, help="device memory per device, e.g. 24GiB, 512MiB, 8e9")
     p.add_argument("--hardware", default="h100", help="h100 (default), tpu-v5p, or cpu (measured here)")
-    p.add_argument("--host-bandwidth", type=float, help="host link GB/s per device (overrides the profile)")
-    p.add_argument("--batch-size", type=int, help="global batch (default: 32 for tiny, 4 x devices otherwise)")
-    p.add_argument("--seq-len", type=int, help="sequence length (default: the model's maximum)")
-    p.add_argument("--pipe", type=int, action="append", help="only these pipeline sizes (repeatable)")
+    p.add_argument("--host-bandwidth", type=positive_float, help="host link GB/s per device (overrides the profile)")
+    p.add_argument("--batch-size", type=positive_int, help="global batch (default: 32 for tiny, 4 x devices otherwise)")
+    p.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's maximum)")
+    p.add_argument("--pipe", type=positive_int, action="append", help="only these pipeline sizes (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

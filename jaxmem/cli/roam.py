@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import print_json
+from jaxmem.cli._common import positive_int, print_json
 
 _EPILOG = """\
 examples:
@@ -33,8 +33,8 @@ def add_parser(sub) -> None:
         default="tiny",
         help="a model preset (tiny, gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b) or experts",
     )
-    a.add_argument("--batch", type=int, help="batch size (default 4; 1024 for experts)")
-    a.add_argument("--seq-len", type=int, help="sequence length (default: the model's maximum)")
+    a.add_argument("--batch", type=positive_int, help="batch size (default 4; 1024 for experts)")
+    a.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's maximum)")
     a.add_argument(
         "--compile",
         choices=["auto", "yes", "no"],

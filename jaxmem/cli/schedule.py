@@ -7,6 +7,8 @@ import json
 import sys
 
 from jaxmem import schedule as sch
+from jaxmem._util import parse_bytes
+from jaxmem.cli._common import non_negative_float, positive_int
 
 _EPILOG = """\
 examples:
@@ -25,21 +27,27 @@ with V stages per rank each costs 1/V of that (equal-model comparison)."""
 
 def _add_source(p: argparse.ArgumentParser, csv_ok: bool = True) -> None:
     p.add_argument("name", nargs="?", help="schedule name (see `jaxmem schedule list`)")
-    p.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks P (default 4)")
-    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
-    p.add_argument("--virtual", "-v", type=int, default=None, help="stages per rank V (interleaved-1f1b)")
+    p.add_argument("--stages", "-p", type=positive_int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--microbatches", "-m", type=positive_int, default=8, help="microbatches M (default 8)")
+    p.add_argument("--virtual", "-v", type=positive_int, default=None, help="stages per rank V (interleaved-1f1b)")
     if csv_ok:
         p.add_argument("--csv", metavar="FILE", help="read the schedule from a CSV instead of a name")
 
 
 def _add_costs(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (per action, for a stage holding 1/P of the model)")
-    g.add_argument("--cost-f", type=float, default=1.0, help="forward (default 1)")
-    g.add_argument("--cost-b", type=float, default=None, help="full backward (default I + W = 2)")
-    g.add_argument("--cost-i", type=float, default=1.0, help="input-gradient (default 1)")
-    g.add_argument("--cost-w", type=float, default=1.0, help="weight-gradient (default 1)")
-    g.add_argument("--cost-comm", type=float, default=0.0, help="latency per hop between ranks (default 0)")
-    g.add_argument("--activation-bytes", type=float, default=None, help="bytes of one stage activation")
+    g.add_argument("--cost-f", type=non_negative_float, default=1.0, help="forward (default 1)")
+    g.add_argument("--cost-b", type=non_negative_float, default=None, help="full backward (default I + W = 2)")
+    g.add_argument("--cost-i", type=non_negative_float, default=1.0, help="input-gradient (default 1)")
+    g.add_argument("--cost-w", type=non_negative_float, default=1.0, help="weight-gradient (default 1)")
+    g.add_argument(
+        "--cost-comm", type=non_negative_float, default=0.0, help="latency per hop between ranks (default 0)"
+    )
+    g.add_argument(
+        "--activation-bytes",
+        default=None,
+        help="size of one stage activation, e.g. 3MiB or 3e6 (the live-activation curves are then in MiB)",
+    )
 
 
 def add_parser(sub) -> None:
@@ -103,7 +111,9 @@ def _costs_from_args(args) -> sch.Costs:
         i=args.cost_i,
         w=args.cost_w,
         comm=args.cost_comm,
-        activation_bytes=args.activation_bytes,
+        activation_bytes=None
+        if args.activation_bytes is None
+        else parse_bytes(args.activation_bytes, "--activation-bytes"),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import print_json, setup_devices
+from jaxmem.cli._common import positive_int, print_json, setup_devices
 
 _EPILOG = """\
 Run this before trusting a custom schedule, policy or model:
@@ -33,11 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     p.add_argument("--schedule", help="schedule name (see `jaxmem schedule list`)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
-    p.add_argument("--stages", type=int, default=4, help="pipeline ranks P (default 4)")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches M (default 8)")
-    p.add_argument("--virtual", type=int, help="stages per rank for interleaved-1f1b")
-    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel replicas (default 1)")
-    p.add_argument("--devices", type=int, help="virtual CPU devices (default data x pipe)")
+    p.add_argument("--stages", type=positive_int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
+    p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel replicas (default 1)")
+    p.add_argument("--devices", type=positive_int, help="virtual CPU devices (default data x pipe)")
     p.add_argument("--policy", help="memory policy preset or TOML file")
     p.add_argument("--drop-layers", help="layers to skip in both computations (layer drop), e.g. 1,3")
     p.add_argument("--loss-mask", action="store_true", help="mask a random 30%% of the targets out of the loss")

@@ -6,8 +6,10 @@ a resumed or re-meshed run consumes every sample exactly once."""
 from jaxmem.data._corpus import Corpus as Corpus
 from jaxmem.data._corpus import corpus_bytes as corpus_bytes
 from jaxmem.data._corpus import default_corpus as default_corpus
+from jaxmem.data._corpus import hf_documents as hf_documents
 from jaxmem.data._corpus import list_files as list_files
 from jaxmem.data._corpus import load_corpus as load_corpus
+from jaxmem.data._corpus import parse_hf_spec as parse_hf_spec
 from jaxmem.data._corpus import read_documents as read_documents
 from jaxmem.data._iterator import ORDER as ORDER
 from jaxmem.data._iterator import Batch as Batch

@@ -17,7 +17,16 @@ import numpy as np
 from jaxmem._errors import JaxmemError
 from jaxmem.data._tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
-__all__ = ["Corpus", "corpus_bytes", "default_corpus", "list_files", "load_corpus", "read_documents"]
+__all__ = [
+    "Corpus",
+    "corpus_bytes",
+    "default_corpus",
+    "hf_documents",
+    "list_files",
+    "load_corpus",
+    "parse_hf_spec",
+    "read_documents",
+]
 
 _TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 _JSON_SUFFIXES = (".jsonl", ".json")
@@ -161,11 +170,90 @@ def read_documents(path: str, field: str = "text") -> Iterator[str]:
             ) from None
 
 
+HF_PREFIX = "hf:"
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
+    """``hf:NAME``, ``hf:NAME:SPLIT`` or ``hf:NAME:CONFIG:SPLIT`` -> (name, config, split); the
+    split defaults to ``train``."""
+    parts = spec[len(HF_PREFIX) :].split(":")
+    if not parts[0] or len(parts) > 3 or not all(parts):
+        raise JaxmemError(
+            f"--data {spec}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (e.g. "
+            "hf:wikitext:wikitext-2-raw-v1:train)"
+        )
+    if len(parts) == 1:
+        return parts[0], None, "train"
+    if len(parts) == 2:
+        return parts[0], None, parts[1]
+    return parts[0], parts[1], parts[2]
+
+
+def hf_documents(spec: str, field: str = "text") -> tuple[list[str], str]:
+    """The documents of a Hugging Face dataset (``hf:NAME[:CONFIG]:SPLIT``, see :func:`parse_hf_spec`)
+    and a name for them. NAME is a hub dataset already in the local cache (nothing is downloaded:
+    the hub is read offline), a directory written by ``Dataset.save_to_disk``, or a local directory
+    of data files laid out like a hub dataset. Needs ``pip install 'jaxmem[hf]'``."""
+    name, config, split = parse_hf_spec(spec)
+    try:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import datasets
+    except ImportError:
+        raise JaxmemError(
+            f"--data {spec}: Hugging Face datasets need the datasets package: pip install 'jaxmem[hf]'"
+        ) from None
+    datasets.disable_progress_bars()
+    path = os.path.expanduser(name)
+    try:
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, "state.json")):
+            data = datasets.load_from_disk(path)  # one saved split
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
+            saved = datasets.load_from_disk(path)
+            if split not in saved:
+                raise JaxmemError(f"--data {spec}: no split {split!r} (has: {', '.join(saved)})")
+            data = saved[split]
+        else:
+            data = datasets.load_dataset(_hub_snapshot(name) or path, config, split=split)
+    except JaxmemError:
+        raise
+    except (FileNotFoundError, ConnectionError, ValueError) as e:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        if "split" in first.lower():
+            raise JaxmemError(f"--data {spec}: {first}") from None
+        where = os.environ.get("HF_HOME", os.path.join("~", ".cache", "huggingface"))
+        args = ", ".join([repr(name)] + ([repr(config)] if config else []) + [f"split={split!r}"])
+        raise JaxmemError(
+            f"--data {spec}: cannot load it offline ({type(e).__name__}: {first}). A hub dataset must already be "
+            f"in the local cache ({where}): fetch it once where there is network, e.g. "
+            f'python -c "import datasets; datasets.load_dataset({args})"'
+        ) from None
+    if field not in data.column_names:
+        raise JaxmemError(
+            f"--data {spec}: no column {field!r} (has: {', '.join(data.column_names)}); pass --data-field NAME"
+        )
+    texts = [str(v) for v in data[field] if v]
+    return texts, f"{name} ({config + ', ' if config else ''}{split})"
+
+
+def _hub_snapshot(name: str) -> str | None:
+    """The local snapshot directory of hub dataset ``name`` in the Hugging Face hub cache, if there."""
+    if os.path.isdir(os.path.expanduser(name)):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, repo_type="dataset", local_files_only=True)
+    except Exception:  # not cached, or not a hub name: datasets' own cache may still have it
+        return None
+
+
 def load_corpus(spec: str, *, tokenizer: str | Tokenizer | None = "byte", field: str = "text", saved=None) -> Corpus:
     """Read, tokenize and pack the documents a ``--data`` spec names.
 
     Args:
-        spec: files, globs or directories (see :func:`list_files`); ``text`` is the embedded corpus.
+        spec: files, globs or directories (see :func:`list_files`); ``text`` is the embedded corpus;
+            ``hf:NAME[:CONFIG]:SPLIT`` a Hugging Face dataset (see :func:`hf_documents`).
         tokenizer: ``byte``, ``bpe:N`` (trained on these documents), a ``tokenizer.json``, or a
             :class:`Tokenizer`.
         field: the JSONL field / Parquet column holding the text.
@@ -177,6 +265,11 @@ def load_corpus(spec: str, *, tokenizer: str | Tokenizer | None = "byte", field:
             return default_corpus()
         texts = [_pydoc_text()]
         return _pack(texts, get_tokenizer(tokenizer, texts, saved=saved), "pydoc topics")
+    if spec.startswith(HF_PREFIX):
+        texts, name = hf_documents(spec, field)
+        if not texts:
+            raise JaxmemError(f"--data {spec}: column {field!r} holds no text")
+        return _pack(texts, get_tokenizer(tokenizer, texts, saved=saved), name)
     files = list_files(spec)
     texts = [doc for path in files for doc in read_documents(path, field)]
     texts = [t for t in texts if t]

@@ -4,15 +4,16 @@ recovery planner that chooses how, and the worker's heartbeat and failure-drill 
 re-exported here."""
 
 from jaxmem.elastic._launcher import Failure as Failure
+from jaxmem.elastic._launcher import LaunchInterrupted as LaunchInterrupted
 from jaxmem.elastic._launcher import LaunchResult as LaunchResult
 from jaxmem.elastic._launcher import launch as launch
 from jaxmem.elastic._launcher import parse_failure as parse_failure
 from jaxmem.elastic._launcher import read_heartbeat as read_heartbeat
+from jaxmem.elastic._recovery import STRATEGIES as STRATEGIES
 from jaxmem.elastic._recovery import Recovery as Recovery
 from jaxmem.elastic._recovery import RecoveryError as RecoveryError
 from jaxmem.elastic._recovery import Strategy as Strategy
 from jaxmem.elastic._recovery import choose_recovery as choose_recovery
-from jaxmem.elastic._recovery import cpu_cores as cpu_cores
 from jaxmem.elastic._recovery import predicted_step_seconds as predicted_step_seconds
 from jaxmem.elastic._worker import FailureInjectionHook as FailureInjectionHook
 from jaxmem.elastic._worker import HeartbeatHook as HeartbeatHook

@@ -5,10 +5,19 @@ left, and the job restarts from the last complete checkpoint.
 Workers are ``python -m jaxmem train ...`` processes. Here they meet on 127.0.0.1 (gloo collectives on
 CPU); on a cluster the same train command joins through ``jax.distributed.initialize()``'s
 auto-detection (SLURM, Kubernetes, TPU) instead of this launcher's environment variables.
+
+The launcher owns its workers: each runs in its own session (a terminal's Ctrl-C reaches the launcher
+only) with a parent-death signal (SIGTERM when the launcher dies, however it dies, on Linux);
+SIGTERM/SIGINT to the launcher is forwarded to every worker (they save a checkpoint at one step and
+exit) before it exits 128 + signal. A worker that exits with a jaxmem error (exit code 2: bad
+settings, data or checkpoint) stops the job with that error: it is not a hardware failure, and no
+other plan would fix it. When a worker hangs (SIGSTOPped, or silent past the heartbeat) and its peers
+then abort, the hung worker is blamed, not the peer that noticed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -21,7 +30,7 @@ from pathlib import Path
 
 from jaxmem._errors import JaxmemError
 
-__all__ = ["Failure", "LaunchResult", "launch", "parse_failure"]
+__all__ = ["Failure", "LaunchInterrupted", "LaunchResult", "launch", "parse_failure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +140,27 @@ def launch(
         timeout: give up (and stop everything) after this many seconds.
     """
     from jaxmem.config import parse_train_args
-    from jaxmem.elastic._recovery import choose_recovery, cpu_cores
+    from jaxmem.elastic._recovery import STRATEGIES, choose_recovery
     from jaxmem.elastic._worker import FAIL_AT_ENV, HEARTBEAT_ENV
+    from jaxmem.memory import cpu_cores
 
     if nprocs < 1 or devices_per_proc < 1:
         raise JaxmemError(f"--nprocs ({nprocs}) and --devices-per-proc ({devices_per_proc}) must be >= 1")
+    if not heartbeat_seconds > 0:
+        raise JaxmemError(
+            f"--heartbeat-seconds must be > 0 (a worker silent that long is failed), got {heartbeat_seconds}"
+        )
+    if max_restarts < 0 or spares < 0:
+        raise JaxmemError(f"--max-restarts ({max_restarts}) and --spares ({spares}) must be >= 0")
+    runnable = [s for s in STRATEGIES if s != "reroute"]  # reroute is scored; the SPMD executor cannot run it
+    if strategy is not None and strategy not in runnable:
+        raise JaxmemError(f"--strategy {strategy!r} is not one this launcher can run; choose {', '.join(runnable)}")
+    for f in failures:
+        if not (0 <= f.rank < nprocs and f.step >= 1):
+            raise JaxmemError(
+                f"--inject-failure rank={f.rank},step={f.step}: the rank must be 0..{nprocs - 1} (--nprocs {nprocs}) "
+                "and the step >= 1"
+            )
     limit = max(1, (os.cpu_count() or 1) * 8)
     if nprocs > limit:
         raise JaxmemError(f"--nprocs {nprocs} is more than this machine can start ({limit} at most here)")
@@ -152,136 +177,164 @@ def launch(
     current_nprocs = nprocs
     summary = None
 
-    for attempt_index in range(max_restarts + 1):
-        config = parse_train_args(args)
-        needed = config.stages * config.data_parallel
-        if needed > current_nprocs * devices_per_proc:
-            raise JaxmemError(
-                f"the plan needs data({config.data_parallel}) x pipe({config.stages}) = {needed} devices "
-                f"but {current_nprocs} process(es) x {devices_per_proc} device(s) are running"
-            )
-        port = _free_port()
-        attempt = Attempt(current_nprocs, list(args), time.time())
-        attempts.append(attempt)
-        log(
-            f"attempt {attempt_index + 1}: {current_nprocs} process(es) x {devices_per_proc} device(s), "
-            f"P={config.stages} D={config.data_parallel}"
-        )
-        procs, heartbeats = [], []
-        for rank in range(current_nprocs):
-            env = dict(os.environ)
-            env.update(
-                {
-                    "JAXMEM_COORDINATOR": f"127.0.0.1:{port}",
-                    "JAXMEM_NUM_PROCESSES": str(current_nprocs),
-                    "JAXMEM_PROCESS_ID": str(rank),
-                    HEARTBEAT_ENV: str(run / f"heartbeat-{attempt_index}-{rank}"),
-                    "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
-                }
-            )
-            env.pop(FAIL_AT_ENV, None)
-            if attempt_index == 0:
-                for f in failures:
-                    if f.rank == rank:
-                        env[FAIL_AT_ENV] = str(f.step)
-            heartbeats.append(Path(env[HEARTBEAT_ENV]))
-            out = open(run / f"worker-{attempt_index}-{rank}.log", "w")
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "jaxmem", "train", *args],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        failed_rank = None
-        last_beat = [None] * current_nprocs
-        progress: list[tuple[float, int]] = []  # (time, step) of worker 0's heartbeats
-        while True:
-            time.sleep(0.2)
-            codes = [p.poll() for p in procs]
-            for rank, path in enumerate(heartbeats):
-                if path.exists():
-                    mtime = path.stat().st_mtime
-                    if attempt.first_step_at is None:
-                        attempt.first_step_at = mtime
-                    last_beat[rank] = mtime
-                    if rank == 0:
-                        step = _read_step(path)
-                        if step is not None and (not progress or step > progress[-1][1]):
-                            progress.append((mtime, step))
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            stale = [
-                r
-                for r, t in enumerate(last_beat)
-                if t is not None and codes[r] is None and time.time() - t > heartbeat_seconds
-            ]
-            if bad or stale:
-                failed_rank = (bad or stale)[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            if deadline and time.time() > deadline:
-                _stop(procs)
-                raise JaxmemError(f"launch timed out after {timeout:.0f}s (logs in {run})")
-        if failed_rank is None:
-            attempt.exit_codes = [p.returncode for p in procs]
-            summary = _summary(run / f"worker-{attempt_index}-0.log")
-            log(f"finished: {summary and summary.get('steps')} steps")
-            return LaunchResult(True, attempts, str(run), summary)
-        attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
-        _stop(procs)
-        attempt.exit_codes = [p.returncode for p in procs]
-        beats = [read_heartbeat(h) for h in heartbeats]
-        steps_done = max((step or 0) for step, _ in beats)
-        last_ckpt = _latest_checkpoint(Path(_flag_value(args, "--checkpoint-dir")))
-        first = attempt.first_step_at
-        # The pre-failure step: the workers' own median step times (compile excluded; checkpoint saves
-        # and stragglers do not move a median); from heartbeat times when no worker reported one.
-        reported = sorted(m for _, m in beats if m)
-        if not reported:
-            steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
-            reported = sorted((t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0)
-        measured = reported[len(reported) // 2] if reported else None
-        attempt.measured_step_seconds = measured
-        restart_seconds = (first - attempt.started) if first else 15.0
-        log(f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); planning recovery")
-        recovery = choose_recovery(
-            config,
-            devices_per_proc=devices_per_proc,
-            nprocs=current_nprocs,
-            failed=[failed_rank],
-            spares=spares,
-            steps_done=steps_done,
-            last_checkpoint=last_ckpt or 0,
-            measured_step_seconds=measured,
-            restart_seconds=restart_seconds,
-            cores=cpu_cores(),
-        )
-        for line in recovery.explain():
-            log(f"  {line}")
-        choice = recovery.choice
-        if strategy:
-            forced = [c for c in recovery.candidates if c.name == strategy and c.runnable]
-            if not forced:
+    workers: list = []  # the current attempt's processes
+    previous = _forward_signals()
+    try:
+        for attempt_index in range(max_restarts + 1):
+            config = parse_train_args(args)
+            needed = config.stages * config.data_parallel
+            if needed > current_nprocs * devices_per_proc:
                 raise JaxmemError(
-                    f"recovery strategy {strategy!r} cannot run here; runnable: "
-                    f"{[c.name for c in recovery.candidates if c.runnable]}"
+                    f"the plan needs data({config.data_parallel}) x pipe({config.stages}) = {needed} devices "
+                    f"but {current_nprocs} process(es) x {devices_per_proc} device(s) are running"
                 )
-            choice = forced[0]
-        attempt.strategy = choice.to_json()
-        if choice.name == "restart-on-spares":
-            spares -= 1
-        current_nprocs = choice.nprocs
-        args = _with_flag(args, "--stages", choice.stages)
-        args = _with_flag(args, "--data-parallel", choice.data_parallel)
-        args = _with_flag(
-            args, "--layers-per-stage", ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None
-        )
-        args = _with_flag(args, "--devices", None)
-    return LaunchResult(False, attempts, str(run), summary)
+            port = _free_port()
+            attempt = Attempt(current_nprocs, list(args), time.time())
+            attempts.append(attempt)
+            log(
+                f"attempt {attempt_index + 1}: {current_nprocs} process(es) x {devices_per_proc} device(s), "
+                f"P={config.stages} D={config.data_parallel}"
+            )
+            workers.clear()
+            procs, heartbeats = workers, []
+            for rank in range(current_nprocs):
+                env = dict(os.environ)
+                env.update(
+                    {
+                        "JAXMEM_COORDINATOR": f"127.0.0.1:{port}",
+                        "JAXMEM_NUM_PROCESSES": str(current_nprocs),
+                        "JAXMEM_PROCESS_ID": str(rank),
+                        HEARTBEAT_ENV: str(run / f"heartbeat-{attempt_index}-{rank}"),
+                        "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
+                        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+                    }
+                )
+                env.pop(FAIL_AT_ENV, None)
+                if attempt_index == 0:
+                    for f in failures:
+                        if f.rank == rank:
+                            env[FAIL_AT_ENV] = str(f.step)
+                heartbeats.append(Path(env[HEARTBEAT_ENV]))
+                out = open(run / f"worker-{attempt_index}-{rank}.log", "w")
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "jaxmem", "train", *args],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                )
+            failed_rank = None
+            last_beat = [None] * current_nprocs
+            progress: list[tuple[float, int]] = []  # (time, step) of worker 0's heartbeats
+            while True:
+                time.sleep(0.2)
+                codes = [p.poll() for p in procs]
+                for rank, path in enumerate(heartbeats):
+                    if path.exists():
+                        mtime = path.stat().st_mtime
+                        if attempt.first_step_at is None:
+                            attempt.first_step_at = mtime
+                        last_beat[rank] = mtime
+                        if rank == 0:
+                            step = _read_step(path)
+                            if step is not None and (not progress or step > progress[-1][1]):
+                                progress.append((mtime, step))
+                bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                stale = [
+                    r
+                    for r, t in enumerate(last_beat)
+                    if t is not None and codes[r] is None and time.time() - t > heartbeat_seconds
+                ]
+                if bad or stale:
+                    failed_rank = _blame(procs, codes, last_beat, bad, stale)
+                    if codes[failed_rank] == 2:  # a jaxmem error: settings, data or checkpoint, not hardware
+                        _stop(procs)
+                        raise JaxmemError(
+                            f"worker {failed_rank} stopped on an error (not a failure to recover from): "
+                            f"{_last_error(run / f'worker-{attempt_index}-{failed_rank}.log')} (logs in {run})"
+                        )
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                if deadline and time.time() > deadline:
+                    _stop(procs)
+                    raise JaxmemError(f"launch timed out after {timeout:.0f}s (logs in {run})")
+            if failed_rank is None:
+                attempt.exit_codes = [p.returncode for p in procs]
+                summary = _summary(run / f"worker-{attempt_index}-0.log")
+                loss = summary and summary.get("loss_last")
+                log(
+                    f"finished: {summary and summary.get('steps')} steps, final loss "
+                    f"{'-' if loss is None else f'{loss:.4f}'}, {time.time() - attempts[0].started:.1f} s in "
+                    f"{len(attempts)} attempt(s)"
+                )
+                return LaunchResult(True, attempts, str(run), summary)
+            attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
+            _stop(procs)
+            attempt.exit_codes = [p.returncode for p in procs]
+            beats = [read_heartbeat(h) for h in heartbeats]
+            steps_done = max((step or 0) for step, _ in beats)
+            last_ckpt = _latest_checkpoint(Path(_flag_value(args, "--checkpoint-dir")))
+            first = attempt.first_step_at
+            # The pre-failure step: the workers' own median step times (compile excluded; checkpoint saves
+            # and stragglers do not move a median); from heartbeat times when no worker reported one.
+            reported = sorted(m for _, m in beats if m)
+            if not reported:
+                steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
+                reported = sorted((t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0)
+            measured = reported[len(reported) // 2] if reported else None
+            attempt.measured_step_seconds = measured
+            restart_seconds = (first - attempt.started) if first else 15.0
+            log(
+                f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); "
+                "planning recovery"
+            )
+            recovery = choose_recovery(
+                config,
+                devices_per_proc=devices_per_proc,
+                nprocs=current_nprocs,
+                failed=[failed_rank],
+                spares=spares,
+                steps_done=steps_done,
+                last_checkpoint=last_ckpt or 0,
+                measured_step_seconds=measured,
+                restart_seconds=restart_seconds,
+                cores=cpu_cores(),
+            )
+            for line in recovery.explain():
+                log(f"  {line}")
+            choice = recovery.choice
+            if strategy:
+                forced = [c for c in recovery.candidates if c.name == strategy and c.runnable]
+                if not forced:
+                    raise JaxmemError(
+                        f"recovery strategy {strategy!r} cannot run here; runnable: "
+                        f"{[c.name for c in recovery.candidates if c.runnable]}"
+                    )
+                choice = forced[0]
+            attempt.strategy = choice.to_json()
+            if choice.name == "restart-on-spares":
+                spares -= 1
+            current_nprocs = choice.nprocs
+            args = _with_flag(args, "--stages", choice.stages)
+            args = _with_flag(args, "--data-parallel", choice.data_parallel)
+            args = _with_flag(
+                args,
+                "--layers-per-stage",
+                ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None,
+            )
+            args = _with_flag(args, "--devices", None)
+        return LaunchResult(False, attempts, str(run), summary)
+    except LaunchInterrupted as e:
+        log(f"launcher got {signal.Signals(e.signum).name}: stopping the workers (each saves its current step)")
+        _stop(workers, grace=120)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _flag_value(args: list, flag: str):
@@ -296,14 +349,73 @@ def _latest_checkpoint(directory: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def _stop(procs) -> None:
+class LaunchInterrupted(JaxmemError):
+    """The launcher was sent SIGTERM/SIGINT; its workers were stopped (and saved)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; the workers saved and stopped")
+        self.signum = signum
+
+
+def _forward_signals() -> dict:
+    """Turn SIGTERM/SIGINT into LaunchInterrupted (main thread only); returns the previous handlers."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum, frame):
+        raise LaunchInterrupted(signum)
+
+    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _die_with_parent() -> None:  # pragma: no cover -- runs in the child before exec
+    """Linux: SIGTERM this worker when the launcher dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP, a debugger) rather than running or sleeping."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _blame(procs, codes, last_beat, bad, stale) -> int:
+    """The worker that failed first: a stopped one, else one killed by a signal, else the one whose
+    heartbeat is oldest among the silent, else the first that exited with an error."""
+    stopped = [r for r, p in enumerate(procs) if codes[r] is None and _stopped(p.pid)]
+    killed = [r for r in bad if codes[r] < 0]
+    for group in (stopped, killed):
+        if group:
+            return group[0]
+    if stale:
+        return min(stale, key=lambda r: last_beat[r])
+    return bad[0]
+
+
+def _last_error(log_path: Path) -> str:
+    """The last ``error: ...`` line of a worker's log."""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    errors = [line for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else (lines[-1] if lines else "no output")
+
+
+def _stop(procs, grace: float = 5.0) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    end = time.time() + 5
+            for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped worker handles SIGTERM once continued
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+    end = time.time() + grace
     for p in procs:
         try:
             p.wait(timeout=max(0.1, end - time.time()))

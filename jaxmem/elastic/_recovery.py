@@ -16,33 +16,29 @@ is used exactly once and the loss curve continues. The score is
 predicted step time``; the step time comes from the schedule simulator with FLOP costs on the
 hardware profile, calibrated by the measured pre-failure step (the worker's own median step time).
 
-On a CPU whose cores are shared by the virtual devices (fewer cores than devices), the model follows
-how the executor really runs: ticks in lockstep (one action per rank per tick, results exchanged
-between ticks). A tick costs its busy ranks' work spread over the cores, plus a part
-(``CPU_IMBALANCE``) of the excess of its longest action over that even share -- an idle device's core
-only partly helps a busy one -- plus a fixed cost (the rank's switch dispatch and the
-activation/gradient exchange) of ``CPU_TICK_FLOPS`` FLOP-equivalents. Processes beyond the cores slow
-every step by ``(processes / cores) ** OVERSUBSCRIPTION`` (time-slicing; collectives between
-processes waiting for a core). The three constants are fitted on this 2-core machine from
-failure-free runs of the tiny model (1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2 on
-1 to 4 processes; 5% worst error on up to 2 processes); ``benchmarks/elastic.py`` checks them on runs
-with failures. The calibration is one factor, measured / modelled pre-failure step, applied to every
-candidate: the machine's speed drifts (by up to a third here between runs), its shape does not.
+On a CPU (its virtual devices sharing the cores), step time follows
+the shared-core lockstep model of :mod:`jaxmem.memory` (the one ``--plan auto`` uses, with its
+constants for one process per rank), and processes
+beyond the cores slow every step by ``(processes / cores) ** OVERSUBSCRIPTION`` (time-slicing;
+collectives between processes waiting for a core). That exponent is fitted on this 2-core machine
+from failure-free runs of the tiny model (1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe
+2 on 1 to 4 processes; 5% worst error on up to 2 processes); ``benchmarks/elastic.py`` checks it on
+runs with failures. The calibration is one factor, measured / modelled pre-failure step, applied to
+every candidate: the machine's speed drifts (by up to a third here between runs), its shape does not.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from jaxmem._errors import JaxmemError
 
-# The shared-core CPU model's constants, fitted on the 2-core development machine (module docstring).
-CPU_TICK_FLOPS = 0.73e9  # fixed cost of one lockstep tick, as the FLOPs that take as long to compute
-CPU_IMBALANCE = 0.7  # share of a tick's longest-action excess over the even split that is not absorbed
+# Fitted on the 2-core development machine (module docstring).
 OVERSUBSCRIPTION = 0.2  # slowdown exponent of processes beyond the cores
 
-__all__ = ["Recovery", "RecoveryError", "Strategy", "choose_recovery", "cpu_cores", "predicted_step_seconds"]
+STRATEGIES = ("restart-on-spares", "shrink-data-parallel", "re-partition", "reroute")  # module docstring
+
+__all__ = ["STRATEGIES", "Recovery", "RecoveryError", "Strategy", "choose_recovery", "predicted_step_seconds"]
 
 
 class RecoveryError(JaxmemError):
@@ -110,29 +106,12 @@ def _oversubscription(nprocs: int | None, cores: int | None) -> float:
     return (nprocs / cores) ** OVERSUBSCRIPTION if cores and nprocs and nprocs > cores else 1.0
 
 
-def _step_seconds(schedule, costs, data_parallel: int, cores: int | None, rate: float) -> float:
-    """Modelled seconds of one step. Without ``cores`` (one device per accelerator) the simulated
-    makespan; with ``cores`` shared by the devices, the lockstep sum of the module docstring
-    (``rate``: the hardware's FLOP/s, to price the fixed tick cost)."""
-    from jaxmem.schedule import lockstep_ticks, simulate
-
-    if not cores or cores > schedule.num_ranks * data_parallel:
-        return simulate(schedule, costs).makespan
-    per_tick: dict[int, list[float]] = {}
-    for action, tick in lockstep_ticks(schedule).items():
-        per_tick.setdefault(tick, []).append(costs.duration(action, schedule))
-    seconds = len(per_tick) * CPU_TICK_FLOPS / rate
-    for works in per_tick.values():
-        even = sum(works) * data_parallel / cores
-        seconds += even + CPU_IMBALANCE * max(max(works) - even, 0.0)
-    return seconds
-
-
 def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, hardware, cores):
-    """A configuration's step before calibration and oversubscription: save-all costs on ``hardware``."""
-    from jaxmem.memory import estimate
+    """A configuration's step before calibration and oversubscription: save-all costs on ``hardware``
+    with its devices sharing ``cores`` CPU cores (None: each device its own)."""
+    from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, estimate
 
-    costs = estimate(
+    return estimate(
         model,
         schedule,
         "save-all",
@@ -140,10 +119,9 @@ def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, 
         seq=seq,
         data_parallel=data_parallel,
         layer_counts=list(layer_counts),
-        hardware=hardware,
+        hardware=dataclasses.replace(hardware, cores=cores, lockstep=CPU_LOCKSTEP_PROCESSES),
         memory=False,
-    ).costs
-    return _step_seconds(schedule, costs, data_parallel, cores, hardware.flops_per_second)
+    ).step_seconds
 
 
 def predicted_step_seconds(
@@ -162,7 +140,7 @@ def predicted_step_seconds(
     nprocs: int | None = None,
 ) -> float:
     """Modelled step seconds of a configuration before calibration (FLOP costs on ``hardware``); with
-    ``cores`` fewer than the devices, the shared-core lockstep model of the module docstring."""
+    ``cores`` set, the shared-core lockstep model of the module docstring."""
     from jaxmem.memory import get_hardware
     from jaxmem.schedule import Schedule, generate
 
@@ -330,7 +308,3 @@ def choose_recovery(
             f"configuration is 1 process x 1 device (P=1, D=1) with batch divisible by {M}"
         )
     return Recovery(choice, tuple(candidates), devices_left, remaining)
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,12 +1,18 @@
 """The memory ledger, the facts it is predicted from (traced for any model, closed-form for the GPT),
 time costs on hardware profiles, and :func:`estimate`, the prediction every planner shares."""
 
+from jaxmem.memory._cost import CPU_LOCKSTEP as CPU_LOCKSTEP
+from jaxmem.memory._cost import CPU_LOCKSTEP_PROCESSES as CPU_LOCKSTEP_PROCESSES
 from jaxmem.memory._cost import HARDWARE as HARDWARE
 from jaxmem.memory._cost import Estimate as Estimate
 from jaxmem.memory._cost import Hardware as Hardware
+from jaxmem.memory._cost import Lockstep as Lockstep
 from jaxmem.memory._cost import calibrate_cpu as calibrate_cpu
+from jaxmem.memory._cost import cpu_cores as cpu_cores
 from jaxmem.memory._cost import estimate as estimate
 from jaxmem.memory._cost import get_hardware as get_hardware
+from jaxmem.memory._cost import shared_core_step_seconds as shared_core_step_seconds
+from jaxmem.memory._cost import shared_core_terms as shared_core_terms
 from jaxmem.memory._cost import simulate_step as simulate_step
 from jaxmem.memory._cost import state_transfer_seconds as state_transfer_seconds
 from jaxmem.memory._cost import step_costs as step_costs

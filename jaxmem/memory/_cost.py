@@ -5,22 +5,61 @@ A hardware profile turns FLOPs into seconds (peak FLOP/s x an achieved fraction)
 transfer seconds (host link bandwidth). Figures of the cluster profiles are vendors' published peaks
 (dense bf16) with an assumed 50% achieved fraction; the ``cpu`` profile is calibrated from a measured
 step of the tiny model on this machine (``calibrate_cpu``). All simulated times are predictions.
+
+On a CPU (a profile with ``cores``: its virtual devices share them), the step is not the simulated
+makespan: the executor runs ticks in lockstep (one action per
+rank per tick, results exchanged between ticks) and the ranks take turns on the cores. A tick costs
+its busy ranks' work spread over the cores, plus a part (``imbalance``) of the excess of its longest
+action over that even share (an idle device's core only partly helps a busy one), plus a fixed cost
+(the rank's switch dispatch and the activation/gradient exchange) of ``tick_flops``
+FLOP-equivalents; a step adds ``step_flops`` (the update, dispatch and host round trip)
+(:func:`shared_core_step_seconds`). The constants (:class:`Lockstep`) depend on how the devices are
+spread over processes, so there are two sets, both fitted on the 2-core development machine:
+``CPU_LOCKSTEP`` for one process with virtual devices (``jaxmem train``), fitted by
+``benchmarks/plan_ranking.py`` on seven configurations and checked on seven it did not see;
+``CPU_LOCKSTEP_PROCESSES`` for one process per rank exchanging over gloo (``jaxmem launch``), whose
+tick costs twenty times more, fitted from failure-free runs of ``benchmarks/elastic.py`` (the tiny
+model, 1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxmem._errors import JaxmemError
 from jaxmem.schedule import Action, Costs, Kind, Schedule, SimulationResult, simulate
 
+
+@dataclasses.dataclass(frozen=True)
+class Lockstep:
+    """Constants of the shared-core CPU step model (module docstring), as FLOP-equivalents at the
+    profile's rate and a share."""
+
+    step_flops: float  # fixed cost of one step
+    tick_flops: float  # fixed cost of one lockstep tick
+    imbalance: float  # weight of a tick's longest-action excess over the even split of its work
+
+
+# Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json); an imbalance above 1
+# says a busy rank's excess costs more than its FLOPs alone (its thread pool runs on fewer cores).
+CPU_LOCKSTEP = Lockstep(step_flops=2.3e9, tick_flops=3.6e7, imbalance=1.8)
+# Fitted from failure-free runs of benchmarks/elastic.py (one process per rank, gloo exchanges).
+CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=0.0, tick_flops=0.73e9, imbalance=0.7)
+
 __all__ = [
+    "CPU_LOCKSTEP",
+    "CPU_LOCKSTEP_PROCESSES",
     "HARDWARE",
     "Estimate",
     "Hardware",
+    "Lockstep",
     "calibrate_cpu",
+    "cpu_cores",
     "estimate",
     "get_hardware",
+    "shared_core_step_seconds",
+    "shared_core_terms",
     "simulate_step",
     "state_transfer_seconds",
     "step_costs",
@@ -37,6 +76,10 @@ class Hardware:
         hbm_bytes: device memory.
         host_bandwidth: bytes/s of one device's host link, per direction.
         efficiency: achieved fraction of ``peak_flops`` on transformer matmuls.
+        cores: CPU cores all devices share (the ``cpu`` profile: this machine's); None when every
+            device computes on its own (accelerators). With cores set, step time
+            follows the shared-core lockstep model (module docstring).
+        lockstep: that model's constants (one process with virtual devices unless replaced).
         note: where the figures come from.
     """
 
@@ -45,6 +88,8 @@ class Hardware:
     hbm_bytes: float
     host_bandwidth: float
     efficiency: float = 0.5
+    cores: int | None = None
+    lockstep: Lockstep = CPU_LOCKSTEP
     note: str = ""
 
     @property
@@ -193,7 +238,8 @@ class Estimate:
         ledger: the predicted memory ledger (None when estimated with ``memory=False``).
         costs: the per-action costs the simulation used (seconds on the hardware profile).
         simulation: the schedule simulated with those costs.
-        step_seconds: the simulated makespan plus offloaded-state transfers.
+        step_seconds: the simulated makespan (on shared CPU cores: the lockstep model's step) plus
+            offloaded-state transfers.
         state_transfer_seconds: the latter part.
         tokens_per_second: ``batch * seq / step_seconds``.
     """
@@ -268,8 +314,51 @@ def estimate(
     costs = step_costs(model, schedule, resolved, active, microbatch=mb, seq=seq, hardware=hardware, facts=facts)
     simulation = simulate(schedule, costs)
     transfers = state_transfer_seconds(model, schedule, resolved, counts, hardware, facts=facts)
-    step = simulation.makespan + transfers
+    compute = simulation.makespan
+    if hardware.cores:  # the CPU runs the lockstep executor, its devices sharing the cores
+        compute = shared_core_step_seconds(
+            schedule, costs, data_parallel, hardware.cores, hardware.flops_per_second, hardware.lockstep
+        )
+    step = compute + transfers
     return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step)
+
+
+def shared_core_terms(schedule: Schedule, costs: Costs, data_parallel: int, cores: int) -> tuple[int, float, float]:
+    """The lockstep model's three terms for ``schedule.num_ranks * data_parallel`` devices on
+    ``cores`` cores: ``(ticks, even, excess)`` -- the number of ticks, the sum over ticks of their
+    busy ranks' work spread over the cores, and the sum of each tick's longest-action excess over
+    that even share (seconds, from ``costs``)."""
+    from jaxmem.schedule import lockstep_ticks
+
+    per_tick: dict[int, list[float]] = {}
+    for action, tick in lockstep_ticks(schedule).items():
+        per_tick.setdefault(tick, []).append(costs.duration(action, schedule))
+    even = excess = 0.0
+    for works in per_tick.values():
+        share = sum(works) * data_parallel / cores
+        even += share
+        excess += max(max(works) - share, 0.0)
+    return len(per_tick), even, excess
+
+
+def shared_core_step_seconds(
+    schedule: Schedule,
+    costs: Costs,
+    data_parallel: int,
+    cores: int,
+    rate: float,
+    constants: Lockstep = CPU_LOCKSTEP,
+) -> float:
+    """Seconds of one step when ``schedule.num_ranks * data_parallel`` devices share ``cores`` CPU
+    cores: the lockstep sum of the module docstring (``rate``: FLOP/s, to price the fixed costs)."""
+    ticks, even, excess = shared_core_terms(schedule, costs, data_parallel, cores)
+    c = constants
+    return (c.step_flops + ticks * c.tick_flops) / rate + even + c.imbalance * excess
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _active_counts(counts, drop_layers) -> list[int]:
@@ -326,7 +415,9 @@ def calibrate_cpu(steps: int = 5) -> Hardware:
         HARDWARE["cpu"],
         peak_flops=rate,
         efficiency=1.0,
-        note=f"measured here: tiny GPT fwd+bwd, {rate / 1e9:.2f} GFLOP/s achieved; host link nominal",
+        cores=cpu_cores(),
+        note=f"measured here: tiny GPT fwd+bwd, {rate / 1e9:.2f} GFLOP/s achieved on {cpu_cores()} core(s); "
+        "host link nominal",
     )
     _CALIBRATED["cpu"] = hw
     return hw

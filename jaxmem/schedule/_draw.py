@@ -20,16 +20,21 @@ def draw(
     path: str | os.PathLike,
     costs: Costs | None = None,
     title: str | None = None,
+    time_unit: str = "one forward = 1",
 ) -> Path:
     """Draw the schedule as a Gantt chart (one row per rank, a colour per kind, microbatch numbers in
-    the boxes, the stage number too when a rank holds several) with each rank's live activations
-    plotted under its row. The format follows the suffix: ``.png``, ``.svg`` or ``.pdf``.
+    the boxes, the stage number too when a rank holds several, a paler shade for a rank's second
+    stage) with each rank's live activations plotted under its row, on one scale for all ranks (MiB
+    when the costs carry activation bytes, else microbatches). The figure is about twice as wide as
+    high whatever the schedule's length; boxes too narrow for their label go unlabelled. The format
+    follows the suffix: ``.png``, ``.svg`` or ``.pdf`` (an SVG keeps its text as text).
 
     Args:
         schedule: a schedule (simulated with ``costs``) or an existing simulation result.
         path: output file.
         costs: costs for the simulation (unit F, B = 2 by default).
         title: figure title; defaults to the schedule's name and its bubble fraction.
+        time_unit: what the time axis counts (the costs' unit).
     """
     path = Path(path)
     if path.suffix.lower() not in _FORMATS:
@@ -45,21 +50,31 @@ def draw(
 
     ranks = sched.num_ranks
     multi = sched.num_stages > ranks
-    fig_height = 1.0 + 1.3 * ranks
-    most_actions = max(len(sched.actions(r)) for r in range(ranks))
+    in_bytes = result.timeline_bytes is not None
+    timelines = result.timeline_bytes if in_bytes else result.timeline
+    scale = 2**20 if in_bytes else 1.0  # bytes shown in MiB
+    unit = "MiB" if in_bytes else "microbatches"
+    peaks = result.peak_activation_bytes if in_bytes else result.peak_inflight
+    peak = max(max(peaks) / scale, 1e-9)
+    # About 2:1 whatever the schedule's length: long schedules get narrower boxes, and a box whose
+    # label would not fit shows no label (its neighbours' labels and the legend still tell it).
+    height = min(2.0 + 1.25 * ranks, 11.0)
+    width = min(max(2.0 * height, 8.0), 20.0)
     fig, axes = plt.subplots(
         2 * ranks,
         1,
         sharex=True,
-        figsize=(min(80.0, max(8.0, 0.5 * most_actions + 2)), fig_height),
-        gridspec_kw={"height_ratios": [1.0, 0.6] * ranks, "hspace": 0.08},
+        figsize=(width, height),
+        gridspec_kw={"height_ratios": [1.0, 0.6] * ranks, "hspace": 0.1},
     )
-    peak = max(result.peak_inflight + (1,))
+    makespan = result.makespan or 1.0
+    points_per_time = 72.0 * width * 0.85 / makespan
+    fontsize = 7
     for rank in range(ranks):
         gantt, curve = axes[2 * rank], axes[2 * rank + 1]
         for action in sched.actions(rank):
             begin, end = result.start[action], result.finish[action]
-            shade = 0.55 if multi and sched.stages_of(rank).index(action.stage) % 2 else 1.0
+            shade = 0.5 if multi and sched.stages_of(rank).index(action.stage) % 2 else 1.0
             gantt.barh(
                 0,
                 end - begin,
@@ -68,42 +83,56 @@ def draw(
                 color=KIND_COLORS[action.kind],
                 alpha=shade,
                 edgecolor="black",
-                linewidth=0.4,
+                linewidth=0.3,
             )
             label = f"{action.stage}:{action.microbatch}" if multi else str(action.microbatch)
-            if end - begin > 0:
-                gantt.text((begin + end) / 2, 0, label, ha="center", va="center", fontsize=7, color="white")
+            if (end - begin) * points_per_time >= 0.62 * fontsize * len(label) + 2:
+                gantt.text((begin + end) / 2, 0, label, ha="center", va="center", fontsize=fontsize, color="white")
         gantt.set_yticks([0])
         gantt.set_yticklabels([f"rank {rank}"])
         gantt.set_ylim(-0.5, 0.5)
-        times = [t for t, _ in result.timeline[rank]] + [result.makespan]
-        counts = [c for _, c in result.timeline[rank]] + [0]
-        curve.step(times, counts, where="post", color="black", linewidth=1.0)
-        curve.fill_between(times, counts, step="post", color="grey", alpha=0.3)
-        curve.set_ylim(0, peak * 1.15)
-        curve.set_yticks([0, result.peak_inflight[rank]])
+        # One point per instant (a free and an allocation at the same time are no dip).
+        points = dict((t, v / scale) for t, v in timelines[rank])
+        times = list(points) + [result.makespan]
+        values = list(points.values()) + [0]
+        curve.step(times, values, where="post", color="black", linewidth=1.0)
+        curve.fill_between(times, values, step="post", color="grey", alpha=0.3)
+        curve.set_ylim(0, peak * 1.2)  # one scale for every rank
+        curve.set_yticks([0, peak])
+        curve.set_yticklabels(["0", f"{peak:.3g}"])
         curve.tick_params(axis="y", labelsize=7)
-        curve.set_ylabel("live", fontsize=7)
-    axes[-1].set_xlabel("time")
-    axes[-1].set_xlim(0, result.makespan)
+        curve.text(
+            1.005,
+            0.5,
+            f"peak {peaks[rank] / scale:.3g}",
+            transform=curve.transAxes,
+            fontsize=7,
+            va="center",
+            ha="left",
+        )
+    fig.text(0.005, 0.3, f"live activations ({unit}, same scale on every rank)", rotation=90, fontsize=7, va="center")
+    axes[-1].set_xlabel(f"time ({time_unit})")
+    axes[-1].set_xlim(0, makespan)
     used = sorted({a.kind for a in sched.actions()}, key=lambda k: "FBIW".index(k.value))
     names = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input-grad", Kind.W: "weight-grad"}
-    fig.legend(
-        handles=[Patch(color=KIND_COLORS[k], label=f"{k.value} {names[k]}") for k in used],
-        loc="upper right",
-        ncol=len(used),
-        fontsize=8,
-    )
+    handles = [Patch(color=KIND_COLORS[k], label=f"{k.value} {names[k]}") for k in used]
+    if multi:
+        handles.append(Patch(facecolor="#4C72B0", alpha=0.5, label="pale: the rank's 2nd, 4th... stage"))
+    handles.append(Patch(color="none", label="box label: stage:microbatch" if multi else "box label: microbatch"))
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    peak_text = ", ".join(f"{p / scale:.3g}" for p in peaks)
     fig.suptitle(
         title
         or f"{sched.name}: P={ranks}, stages={sched.num_stages}, M={sched.num_microbatches}, "
-        f"bubble {result.bubble_fraction:.1%}, peak live {list(result.peak_inflight)}",
+        f"bubble {result.bubble_fraction:.1%}, peak live [{peak_text}] {unit}",
         fontsize=9,
         x=0.02,
+        y=0.995,
         ha="left",
     )
     try:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
+        with matplotlib.rc_context({"svg.fonttype": "none"}):
+            fig.savefig(path, dpi=120, bbox_inches="tight")
     except OSError as e:
         raise ScheduleError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from jaxmem._errors import JaxmemError
@@ -58,12 +59,17 @@ class Costs:
     host_bandwidth: float | None = None
 
     def __post_init__(self):
+        def finite(value) -> bool:
+            return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
         for field in ("f", "i", "w", "comm"):
             value = getattr(self, field)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise JaxmemError(f"Costs.{field} must be a number >= 0, got {value!r}")
-        if self.b is not None and (not isinstance(self.b, (int, float)) or self.b < 0):
-            raise JaxmemError(f"Costs.b must be a number >= 0 (or None for i + w), got {self.b!r}")
+            if not finite(value):
+                raise JaxmemError(f"Costs.{field} must be a finite number >= 0, got {value!r}")
+        if self.b is not None and not finite(self.b):
+            raise JaxmemError(f"Costs.b must be a finite number >= 0 (or None for i + w), got {self.b!r}")
+        if self.activation_bytes is not None and not finite(self.activation_bytes):
+            raise JaxmemError(f"Costs.activation_bytes must be a finite number >= 0, got {self.activation_bytes!r}")
         if self.stage_weights is not None:
             object.__setattr__(self, "stage_weights", tuple(float(x) for x in self.stage_weights))
         if self.offload_fn is not None and not (self.host_bandwidth and self.host_bandwidth > 0):

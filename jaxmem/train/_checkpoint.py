@@ -6,13 +6,27 @@ pipeline's stacked layout, so a checkpoint restores onto any mesh and stage spli
 the arrays with target shardings (replicated over the new mesh) and the new pipeline re-lays them
 out. Orbax writes a step into a temporary directory and renames it when complete, so a save killed
 mid-way is never listed; temporary leftovers are removed when the manager opens the directory.
+
+Guarantees a resumed run relies on:
+- one writer: process 0 holds an exclusive ``flock`` on ``.jaxmem.lock`` in the directory for the
+  run's life (the kernel releases it when the process dies, however it dies); a second run on the
+  same directory is refused, naming the holder's pid and host;
+- verified restores: every step carries a checksum manifest (a step without one is refused), and
+  each restored array is checked against it; a step saved by a different model or optimizer (names or
+  shapes differ) is refused as such, before anything is read;
+- fallback: with no step asked for, a latest step that fails verification is announced and the next
+  older one is tried; the failing steps are then moved aside as ``<step>.damaged`` (kept, never
+  deleted, and out of Orbax's keep-last-K garbage collection, which counts only good steps). Asking
+  for an older step moves the newer ones aside as ``<step>.superseded`` (the run redoes them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
+import socket
 import zlib
 from pathlib import Path
 
@@ -24,10 +38,35 @@ from jaxmem._errors import JaxmemError
 __all__ = ["CheckpointError", "Checkpointer", "array_checksums", "read_params"]
 
 MARKER = "jaxmem_checkpoints.json"
+LOCK = ".jaxmem.lock"
 
 
 class CheckpointError(JaxmemError):
     """A checkpoint directory or step cannot be used; says why and what to do."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable step that belongs to another model or optimizer (not damage: no fallback)."""
+
+
+def _lock(directory: Path):
+    """Hold an exclusive lock on ``directory`` while the returned file is open (closing it, or this
+    process dying, releases it); refuse when another open file holds it."""
+    f = open(directory / LOCK, "a+")  # noqa: SIM115 -- held open for the run's life
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read(200).strip() or "another process"
+        f.close()
+        raise CheckpointError(
+            f"{directory} is in use by another jaxmem run ({holder}); two writers would corrupt it. Stop that "
+            "run, wait for it to finish, or pass another --checkpoint-dir"
+        ) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f
 
 
 def _host_value(x) -> np.ndarray:
@@ -59,6 +98,34 @@ class Restored:
     meta: dict  # step, seed, data position, plan
 
 
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _check_same_arrays(step: int, manifest: dict, target: dict) -> None:
+    """Refuse a step whose arrays (names, shapes) are not the ones ``target`` expects."""
+    want = {jax.tree_util.keystr(p): list(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(target)}
+    saved = {name: entry["shape"] for name, entry in manifest.items()}
+    if want == saved:
+        return
+    missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+    both = sorted(set(want) & set(saved))
+    shapes = [f"{n}: saved {saved[n]}, this run {want[n]}" for n in both if want[n] != saved[n]]
+    detail = "; ".join(
+        part
+        for part in (
+            f"{len(shapes)} shape(s) differ, e.g. {shapes[0]}" if shapes else "",
+            f"{len(missing)} array(s) this run needs are not saved, e.g. {missing[0]}" if missing else "",
+            f"{len(extra)} saved array(s) this run has no place for, e.g. {extra[0]}" if extra else "",
+        )
+        if part
+    )
+    raise CheckpointMismatch(
+        f"checkpoint step {step} was saved by a different model or optimizer ({detail}). Resume with the "
+        "settings that trained it, or pass a new --checkpoint-dir"
+    )
+
+
 class Checkpointer:
     """Save and restore jaxmem train states in ``directory``.
 
@@ -77,6 +144,7 @@ class Checkpointer:
         self.every = every
         self.keep = keep
         self._check_directory()
+        self._lock = _lock(self.directory) if jax.process_index() == 0 else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=1,
@@ -98,9 +166,15 @@ class Checkpointer:
                     f"entries and no {MARKER}); pass an empty or new directory -- nothing was written"
                 )
         if jax.process_index() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if not marker.exists():
-                marker.write_text(json.dumps({"format": "jaxmem", "version": 1}))
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                if not marker.exists():
+                    marker.write_text(json.dumps({"format": "jaxmem", "version": 1}))
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot write the checkpoint directory {self.directory}: {e.strerror or e}; "
+                    "pass a writable --checkpoint-dir"
+                ) from None
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int) -> bool:
@@ -127,6 +201,14 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        if self._lock is not None:
+            self._lock.close()  # releases the lock
+            self._lock = None
+
+    def __del__(self):  # a Checkpointer dropped without close() still releases its lock
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.close()
 
     # ------------------------------------------------------------------ restore
     def steps(self) -> list[int]:
@@ -141,37 +223,94 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def restore(self, target: dict, step: int | None = None) -> Restored:
-        """Restore the latest (or given) step into arrays shaped and sharded like ``target`` (abstract
-        arrays with shardings), then check every array against the manifest."""
+    def restore(self, target: dict, step: int | None = None, log=None) -> Restored:
+        """Restore a step into arrays shaped and sharded like ``target`` (abstract arrays with
+        shardings) and check every array against the step's manifest.
+
+        With ``step`` None: the latest step that verifies; each newer one that fails is announced
+        through ``log`` and moved aside as ``<step>.damaged`` (module docstring). With ``step``: that
+        step or an error.
+        """
+        log = log or (lambda line: None)
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint step {step} in {self.directory}; steps: {steps}")
+            restored = self._restore_verified(target, step)
+            newer = [s for s in steps if s > step]
+            if newer:  # the run redoes them; keep the old ones, out of the way of the new saves
+                self._set_aside(newer, log, "superseded")
+            return restored
+        failed, reasons = [], []
+        for candidate in reversed(steps):
+            try:
+                restored = self._restore_verified(target, candidate)
+            except CheckpointMismatch:
+                raise
+            except CheckpointError as e:
+                failed.append(candidate)
+                reasons.append(str(e))
+                log(f"checkpoint step {candidate} fails verification: {e}")
+                continue
+            if failed:
+                self._set_aside(failed, log)
+                log(f"falling back to checkpoint step {candidate}, the newest that verifies")
+            return restored
+        raise CheckpointError(
+            f"no checkpoint step in {self.directory} verifies ({'; '.join(reasons)}). Nothing was changed; start "
+            "a new --checkpoint-dir or restore the directory from a copy"
+        )
+
+    def _restore_verified(self, target: dict, step: int) -> Restored:
         import orbax.checkpoint as ocp
 
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
+            raise CheckpointError(f"step {step}: its metadata cannot be read ({_first_line(e)})") from None
+        manifest = meta.get("manifest")
+        if not manifest:
+            raise CheckpointError(f"step {step} has no checksum manifest, so it cannot be verified")
+        _check_same_arrays(step, manifest, target)
         try:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
             )
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} cannot be read (damaged or incomplete files): "
-                f"{type(e).__name__}: {first}; restore an earlier step "
-                f"({[s for s in self.steps() if s != step] or 'none available'})"
+                f"step {step} cannot be read (damaged or incomplete files): {_first_line(e)}"
             ) from None
-        state, meta = restored["state"], restored["meta"]
-        manifest = meta.get("manifest", {})
-        actual = array_checksums(state)
-        for name, want in manifest.items():
-            got = actual.get(name)
-            if got is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
+        state = restored["state"]
+        for name, got in array_checksums(state).items():
+            want = manifest.get(name)
+            if want is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
                 raise CheckpointError(
-                    f"checkpoint step {step}: array {name} does not match the checksum saved with it "
-                    f"(file damaged or changed after saving); restore an earlier step "
-                    f"({[s for s in self.steps() if s != step] or 'none available'})"
+                    f"step {step}: array {name} does not match the checksum saved with it "
+                    "(file damaged or changed after saving)"
                 )
-        return Restored(step, state, meta)
+        return Restored(step, state, restored["meta"])
+
+    def _set_aside(self, steps: list[int], log, why: str = "damaged") -> None:
+        """Move steps out of Orbax's sight as ``<step>.<why>`` (kept for inspection, never deleted)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxmem-checkpoint-fallback")  # every process has read them
+        if jax.process_index() == 0:
+            for step in steps:
+                source, dest = self.directory / str(step), self.directory / f"{step}.{why}"
+                n = 1
+                while dest.exists():
+                    dest, n = self.directory / f"{step}.{why}.{n}", n + 1
+                source.rename(dest)
+                log(f"moved {why} checkpoint step {step} aside to {dest}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxmem-checkpoint-set-aside")
+        self.manager.reload()
 
     def restore_params(self, step: int | None = None) -> Restored:
         """The parameters of a step on one device (see :func:`read_params`)."""

@@ -59,17 +59,26 @@ class Hook:
 
 
 class CheckpointHook(Hook):
-    """Resume from the latest complete checkpoint in ``directory``; save every ``every`` steps and at
-    the end. The state is saved in the model's layout, so any mesh restores it.
+    """Resume from the newest checkpoint in ``directory`` that verifies (or ``restore_step``); save
+    every ``every`` steps and at the end. The state is saved in the model's layout, so any mesh restores it.
 
     Attributes:
         resumed_from: the step restored at start, or None.
     """
 
-    def __init__(self, directory: str, *, every: int = 10, keep: int = 3, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        every: int = 10,
+        keep: int = 3,
+        restore_step: int | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
         from jaxmem.train._checkpoint import Checkpointer
 
         self.checkpointer = Checkpointer(directory, every=every, keep=keep)
+        self.restore_step = restore_step
         self.log = log or (lambda line: None)
         self.resumed_from: int | None = None
 
@@ -81,8 +90,12 @@ class CheckpointHook(Hook):
             if not os.path.exists(os.path.join(checkpointer.directory, BPETokenizer.FILE)):
                 tokenizer.save(str(checkpointer.directory))
         if checkpointer.latest_step() is None:
+            from jaxmem.train._checkpoint import CheckpointError
+
+            if self.restore_step is not None:
+                raise CheckpointError(f"--restore-step {self.restore_step}: no checkpoint in {checkpointer.directory}")
             return state
-        restored = checkpointer.restore(trainer.restore_target())
+        restored = checkpointer.restore(trainer.restore_target(), self.restore_step, log=self.log)
         self.resumed_from = restored.step
         self.log(f"resumed from checkpoint step {restored.step} ({checkpointer.directory})")
         return trainer.import_state(restored.state, restored.meta)

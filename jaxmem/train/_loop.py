@@ -63,6 +63,7 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         virtual=best.virtual if best.schedule == "interleaved-1f1b" else None,
         policy=best.policy,
         devices=devices,
+        budget=config.budget if config.run_dir else None,  # past planning, only metrics show it
     )
     return planned, result.to_json()
 
@@ -73,7 +74,13 @@ def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line:
     hooks: list[Hook] = []
     if config.checkpoint_dir:
         hooks.append(
-            CheckpointHook(config.checkpoint_dir, every=config.checkpoint_every, keep=config.keep_checkpoints, log=log)
+            CheckpointHook(
+                config.checkpoint_dir,
+                every=config.checkpoint_every,
+                keep=config.keep_checkpoints,
+                restore_step=config.restore_step,
+                log=log,
+            )
         )
     if config.sample_log:
         hooks.append(SampleLogHook(config.sample_log))

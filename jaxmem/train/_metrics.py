@@ -12,6 +12,7 @@ import time
 
 import jax
 
+from jaxmem._errors import JaxmemError
 from jaxmem.train._hooks import Hook, StepInfo
 
 __all__ = ["MetricsHook", "model_flops_per_step", "plot_metrics", "read_metrics"]
@@ -111,7 +112,12 @@ class MetricsHook(Hook):
     def on_start(self, trainer, state):
         if not self.writes:
             return state
-        os.makedirs(self.run_dir, exist_ok=True)
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except OSError as e:
+            raise JaxmemError(
+                f"cannot write the run directory {self.run_dir}: {e.strerror or e}; pass a writable --run-dir"
+            ) from None
         jsonl = os.path.join(self.run_dir, "metrics.jsonl")
         kept = [r for r in read_metrics(self.run_dir) if r["step"] <= state.step] if os.path.exists(jsonl) else []
         with open(jsonl, "w") as f:

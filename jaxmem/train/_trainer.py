@@ -279,6 +279,12 @@ class Trainer:
 
     def import_state(self, state: dict, meta: dict) -> TrainState:
         """A restored model-layout state laid out for this trainer's pipeline."""
+        if meta.get("seed") is not None and meta["seed"] != self.config.seed:
+            raise JaxmemError(
+                f"the checkpoint at step {meta['step']} was trained with --seed {meta['seed']}, this run has "
+                f"--seed {self.config.seed}: the data order would change mid-run. Resume with --seed "
+                f"{meta['seed']}, or start a new --checkpoint-dir"
+            )
         pipeline = self.pipeline
         target_opt = jax.eval_shape(self.optimizer.init, pipeline.abstract_params())
 

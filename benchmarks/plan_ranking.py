@@ -1,0 +1,219 @@
+"""The CPU step-time model the planner uses on this machine: fit its constants, then check them on
+configurations the fit did not see, and check that they rank configurations in the measured order.
+
+    python benchmarks/plan_ranking.py [--steps 12] [--rounds 2] [--out benchmarks/results/plan_ranking.json]
+
+When the virtual devices share fewer CPU cores, ``jaxmem.memory.estimate`` (and so ``jaxmem train
+--plan auto``, ``jaxmem plan --hardware cpu`` and the elastic recovery planner) predicts a step as
+
+    (step_flops + ticks x tick_flops) / rate + even + imbalance x excess
+
+with ``ticks``, ``even`` and ``excess`` from ``jaxmem.memory.shared_core_terms`` (the lockstep
+schedule and FLOP costs at the machine's calibrated ``rate``). This script measures the jitted training
+step of the tiny GPT (batch 32 x 64, save-all; median of ``--steps`` steps after two warm-up steps,
+the best of ``--rounds`` interleaved rounds) on the FIT configurations, fits the three constants by
+non-negative least squares, and reports the prediction error and Spearman rank correlation on the
+HOLDOUT configurations (other schedules, microbatch counts and meshes), with the fitted constants and
+with the ones the package ships (``jaxmem.memory.CPU_LOCKSTEP``). ``--measured RECORD`` re-fits an
+earlier record's measurements without measuring. Timings on this machine drift by up to a third
+between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxmem.config import TrainConfig  # noqa: E402
+from jaxmem.memory import _cost as cost  # noqa: E402
+from jaxmem.memory import estimate, get_hardware, shared_core_terms  # noqa: E402
+from jaxmem.train import Trainer  # noqa: E402
+
+# (schedule, pipe P, data D, microbatches M, virtual V); 4 or 2 devices on this machine's cores.
+FIT = [
+    ("1f1b", 4, 1, 4, None),
+    ("1f1b", 4, 1, 8, None),
+    ("1f1b", 4, 1, 32, None),
+    ("1f1b", 2, 2, 4, None),
+    ("1f1b", 2, 2, 8, None),
+    ("1f1b", 2, 1, 2, None),
+    ("zbv", 2, 2, 16, None),
+]
+HOLDOUT = [
+    ("gpipe", 4, 1, 8, None),
+    ("1f1b", 4, 1, 16, None),
+    ("interleaved-1f1b", 2, 1, 8, 2),
+    ("interleaved-1f1b", 4, 1, 32, 2),
+    ("zbv", 2, 2, 4, None),
+    ("1f1b", 2, 1, 8, None),
+    ("gpipe", 2, 2, 8, None),
+]
+
+
+def config_of(schedule, pipe, data, microbatches, virtual, batch=32, seq=64) -> TrainConfig:
+    return TrainConfig(
+        schedule=schedule,
+        stages=pipe,
+        data_parallel=data,
+        microbatches=microbatches,
+        virtual=virtual,
+        batch_size=batch,
+        seq_len=seq,
+        steps=1,
+    )
+
+
+def name_of(schedule, pipe, data, microbatches, virtual) -> str:
+    return f"{schedule} P={pipe} D={data} M={microbatches}" + (f" V={virtual}" if virtual else "")
+
+
+def measured_step_seconds(config: TrainConfig, steps: int) -> float:
+    """Median seconds of the jitted training step on one device-resident batch, after two warm-up
+    steps (the first compiles)."""
+    trainer = Trainer(config)
+    state = trainer.init_state()
+    batch, _ = state.data.next()
+    batch = trainer.put_batch(batch)
+    params, opt_state = state.params, state.opt_state
+    times = []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        params, opt_state, metrics = trainer.step_fn(params, opt_state, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def terms(config: TrainConfig, hardware) -> tuple[int, float, float]:
+    """The lockstep terms of a configuration on ``hardware`` (its FLOP costs, its cores)."""
+    schedule = config.build_schedule()
+    costs = estimate(
+        config.build_model(),
+        schedule,
+        "save-all",
+        batch=config.batch_size,
+        seq=config.seq_len,
+        data_parallel=config.data_parallel,
+        hardware=dataclasses.replace(hardware, cores=None),
+        memory=False,
+    ).costs
+    return shared_core_terms(schedule, costs, config.data_parallel, hardware.cores)
+
+
+def predict(t, rate: float, step_flops: float, tick_flops: float, imbalance: float) -> float:
+    ticks, even, excess = t
+    return (step_flops + ticks * tick_flops) / rate + even + imbalance * excess
+
+
+def spearman(a, b) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def fit(rows, rate: float) -> tuple[float, float, float]:
+    """Non-negative least squares of measured - even = step/rate + ticks x tick/rate + imbalance x excess."""
+    from scipy.optimize import nnls
+
+    a = np.array([[1.0 / rate, r["terms"][0] / rate, r["terms"][2]] for r in rows])
+    b = np.array([r["measured_seconds"] - r["terms"][1] for r in rows])
+    (step_flops, tick_flops, imbalance), _ = nnls(a, b)
+    return float(step_flops), float(tick_flops), float(imbalance)
+
+
+def evaluate(rows, rate: float, constants) -> dict:
+    predicted = [predict(r["terms"], rate, *constants) for r in rows]
+    measured = [r["measured_seconds"] for r in rows]
+    errors = [p / m - 1 for p, m in zip(predicted, measured)]
+    return {
+        "predicted_seconds": predicted,
+        "worst_error": max(abs(e) for e in errors),
+        "mean_abs_error": float(np.mean(np.abs(errors))),
+        "spearman": spearman(predicted, measured),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration (median)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the best median is kept)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", help="also write the record here")
+    parser.add_argument(
+        "--measured",
+        metavar="RECORD",
+        help="re-fit and re-evaluate the measurements of an earlier record (its rate and rows) instead of measuring",
+    )
+    args = parser.parse_args(argv)
+    hardware = get_hardware("cpu")
+    rows = {}
+    if args.measured:
+        with open(args.measured) as f:
+            earlier = json.load(f)
+        hardware = dataclasses.replace(hardware, peak_flops=earlier["hardware"]["peak_flops"], efficiency=1.0)
+        rows = {r["config"]: r for r in earlier["rows"]}
+    rate = hardware.flops_per_second
+    for round_ in range(0 if args.measured else args.rounds):
+        for group, configs in (("fit", FIT), ("holdout", HOLDOUT)):
+            for c in configs:
+                name = name_of(*c)
+                config = config_of(*c)
+                seconds = measured_step_seconds(config, args.steps)
+                row = rows.setdefault(name, {"config": name, "group": group, "terms": terms(config, hardware)})
+                row.setdefault("measured_per_round", []).append(seconds)
+                row["measured_seconds"] = min(row["measured_per_round"])
+                print(f"round {round_}: {name:34s} {seconds:.3f} s/step", file=sys.stderr, flush=True)
+    fit_rows = [r for r in rows.values() if r["group"] == "fit"]
+    hold_rows = [r for r in rows.values() if r["group"] == "holdout"]
+    fitted = fit(fit_rows, rate)
+    shipped = dataclasses.astuple(cost.CPU_LOCKSTEP)
+    record = {
+        "benchmark": "plan_ranking",
+        "model": "tiny",
+        "batch_size": 32,
+        "seq_len": 64,
+        "cpu_count": os.cpu_count(),
+        "hardware": hardware.to_json(),
+        "rows": list(rows.values()),
+        "fitted": dict(zip(("step_flops", "tick_flops", "imbalance"), fitted)),
+        "shipped": dict(zip(("step_flops", "tick_flops", "imbalance"), shipped)),
+        "fit_with_fitted": evaluate(fit_rows, rate, fitted),
+        "holdout_with_fitted": evaluate(hold_rows, rate, fitted),
+        "holdout_with_shipped": evaluate(hold_rows, rate, shipped),
+        "all_with_shipped": evaluate(fit_rows + hold_rows, rate, shipped),
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        step, tick, imbalance = fitted
+        print(f"fitted: Lockstep(step_flops={step:.3g}, tick_flops={tick:.3g}, imbalance={imbalance:.2f})")
+        shipped_rows = record["all_with_shipped"]["predicted_seconds"]
+        for row, predicted in zip(fit_rows + hold_rows, shipped_rows):
+            print(
+                f"{row['group']:8s} {row['config']:34s} measured {row['measured_seconds']:.3f} s  "
+                f"predicted (shipped) {predicted:.3f} s  ({predicted / row['measured_seconds'] - 1:+.0%})"
+            )
+        for key in ("fit_with_fitted", "holdout_with_fitted", "holdout_with_shipped"):
+            r = record[key]
+            print(
+                f"{key:22s} worst error {r['worst_error']:.0%}, mean {r['mean_abs_error']:.0%}, "
+                f"Spearman {r['spearman']:.2f}"
+            )
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Bad input to every command: a short error naming what is wrong, exit code 2, no traceback, and
+nothing run (every case here is refused before a program is compiled or a worker started)."""
+
+import pytest
+
+from jaxmem.cli import main
+
+CASES = [
+    (["plan", "--devices", "0", "--budget", "1GiB"], "--devices: must be an integer >= 1, got 0"),
+    (["plan", "--devices", "-2", "--budget", "1GiB"], "--devices: must be an integer >= 1, got -2"),
+    (["plan", "--devices", "2", "--budget", "1GiB", "--batch-size", "0"], "--batch-size: must be an integer >= 1"),
+    (["plan", "--devices", "2", "--budget", "1GiB", "--seq-len", "4096"], "--seq-len"),
+    (["plan", "--devices", "2", "--budget", "lots"], "lots"),
+    (["roam", "analyze", "--batch", "0"], "--batch: must be an integer >= 1, got 0"),
+    (["schedule", "simulate", "1f1b", "--cost-comm", "nan"], "--cost-comm: must be a finite number >= 0, got nan"),
+    (["schedule", "simulate", "1f1b", "--cost-f", "-1"], "--cost-f: must be a finite number >= 0"),
+    (["schedule", "show", "1f1b", "--stages", "0"], "--stages/-p: must be an integer >= 1"),
+    (["memory", "--microbatches", "0"], "--microbatches: must be an integer >= 1"),
+    (["launch", "--nprocs", "2", "--heartbeat-seconds", "0", "--", "--steps", "2"], "--heartbeat-seconds: must be"),
+    (["launch", "--nprocs", "2", "--max-restarts", "-1", "--", "--steps", "2"], "--max-restarts: must be"),
+    (["launch", "--nprocs", "2", "--strategy", "teleport", "--", "--steps", "2"], "'teleport' is not one"),
+    (["launch", "--nprocs", "2", "--strategy", "reroute", "--", "--steps", "2"], "'reroute' is not one"),
+    (["launch", "--nprocs", "2", "--inject-failure", "rank=5,step=1", "--"], "the rank must be 0..1"),
+    (["launch", "--nprocs", "2", "--inject-failure", "rank=1", "--"], "takes rank=R,step=K"),
+    (["elastic", "recovery", "--devices", "4", "--failed", "-1"], "--failed: must be an integer >= 0"),
+    (["sample", "ckpt", "--tokens", "0"], "--tokens: must be an integer >= 1"),
+    (["train", "--checkpoint-every", "0"], "--checkpoint-every must be an integer >= 1, got 0"),
+    (["train", "--devices", "0"], "--devices must be an integer >= 1, got 0"),
+    (["train", "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["train", "--csv", "s.csv", "--schedule", "zbv"], "drop --schedule (or --csv)"),
+    (["train", "--plan", "auto", "--budget", "1GiB", "--schedule", "zbv"], "--plan auto chooses --schedule"),
+    (["train", "--plan", "auto", "--budget", "1GiB", "--stages", "2"], "--plan auto chooses --stages"),
+    (["train", "--budget", "1GiB"], "drop --budget"),
+    (["train", "--seq-len-schedule", "8,16"], "add --adaptive"),
+    (["train", "--adaptive", "--budget", "1GiB", "--checkpoint-dir", "x"], "drop --checkpoint-dir or --adaptive"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_a_short_error(capsys, argv, message):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse refuses a malformed flag value itself
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert len(lines) <= 2, err
+
+
+def test_an_unwritable_checkpoint_or_run_directory_is_named(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for flag in ("--checkpoint-dir", "--run-dir"):
+        code = main(["train", "--stages", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16",
+                     "--steps", "1", "--quiet", flag, str(blocker / "sub")])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err
+        assert f"pass a writable {flag}" in err and str(blocker / "sub") in err
