@@ -16,11 +16,10 @@ is used exactly once and the loss curve continues. The score is
 predicted step time``; the step time comes from the schedule simulator with FLOP costs on the
 hardware profile, calibrated by the measured pre-failure step (the worker's own median step time).
 
-On a CPU (its virtual devices sharing the cores), step time follows
-the shared-core lockstep model of :mod:`jaxmem.memory` (the one ``--plan auto`` uses, with its
-constants for one process per rank), and processes
-beyond the cores slow every step by ``(processes / cores) ** OVERSUBSCRIPTION`` (time-slicing;
-collectives between processes waiting for a core). That exponent is fitted on this 2-core machine
+On a CPU (its virtual devices sharing the cores), step time follows the shared-core lockstep model
+of :mod:`jaxmem.memory` (the one ``--plan auto`` uses, with its constants for one process per rank),
+and processes beyond the cores slow every step by ``(processes / cores) ** OVERSUBSCRIPTION``
+(time-slicing; collectives between processes waiting for a core). That exponent is fitted on this 2-core machine
 from failure-free runs of the tiny model (1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe
 2 on 1 to 4 processes; 5% worst error on up to 2 processes); ``benchmarks/elastic.py`` checks it on
 runs with failures. The calibration is one factor, measured / modelled pre-failure step, applied to

@@ -7,8 +7,8 @@ transfer seconds (host link bandwidth). Figures of the cluster profiles are vend
 step of the tiny model on this machine (``calibrate_cpu``). All simulated times are predictions.
 
 On a CPU (a profile with ``cores``: its virtual devices share them), the step is not the simulated
-makespan: the executor runs ticks in lockstep (one action per
-rank per tick, results exchanged between ticks) and the ranks take turns on the cores. A tick costs
+makespan: the executor runs ticks in lockstep (one action per rank per tick, results exchanged
+between ticks) and the ranks take turns on the cores. A tick costs
 its busy ranks' work spread over the cores, plus a part (``imbalance``) of the excess of its longest
 action over that even share (an idle device's core only partly helps a busy one), plus a fixed cost
 (the rank's switch dispatch and the activation/gradient exchange) of ``tick_flops``
@@ -77,8 +77,8 @@ class Hardware:
         host_bandwidth: bytes/s of one device's host link, per direction.
         efficiency: achieved fraction of ``peak_flops`` on transformer matmuls.
         cores: CPU cores all devices share (the ``cpu`` profile: this machine's); None when every
-            device computes on its own (accelerators). With cores set, step time
-            follows the shared-core lockstep model (module docstring).
+            device computes on its own (accelerators). With cores set, step time follows the
+            shared-core lockstep model (module docstring).
         lockstep: that model's constants (one process with virtual devices unless replaced).
         note: where the figures come from.
     """

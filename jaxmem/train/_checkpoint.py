@@ -98,6 +98,34 @@ class Restored:
     meta: dict  # step, seed, data position, plan
 
 
+def _sync(name: str) -> None:
+    """A barrier across the job's processes (nothing in a one-process job)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _manifest(step: int, meta: dict) -> dict:
+    """A step's checksum manifest; a step without one cannot be verified and is refused."""
+    manifest = meta.get("manifest")
+    if not manifest:
+        raise CheckpointError(f"step {step} has no checksum manifest, so it cannot be verified")
+    return manifest
+
+
+def _verify_checksums(step: int, manifest: dict, tree, key=lambda name: name) -> None:
+    """Check every array of ``tree`` against ``manifest`` (names compared through ``key``)."""
+    saved = {key(name): entry for name, entry in manifest.items()}
+    for name, got in array_checksums(tree).items():
+        want = saved.get(key(name))
+        if want is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
+            raise CheckpointError(
+                f"checkpoint step {step}: array {name} does not match the checksum saved with it "
+                "(file damaged or changed after saving)"
+            )
+
+
 def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]
 
@@ -270,9 +298,7 @@ class Checkpointer:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
             raise CheckpointError(f"step {step}: its metadata cannot be read ({_first_line(e)})") from None
-        manifest = meta.get("manifest")
-        if not manifest:
-            raise CheckpointError(f"step {step} has no checksum manifest, so it cannot be verified")
+        manifest = _manifest(step, meta)
         _check_same_arrays(step, manifest, target)
         try:
             restored = self.manager.restore(
@@ -283,21 +309,12 @@ class Checkpointer:
                 f"step {step} cannot be read (damaged or incomplete files): {_first_line(e)}"
             ) from None
         state = restored["state"]
-        for name, got in array_checksums(state).items():
-            want = manifest.get(name)
-            if want is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
-                raise CheckpointError(
-                    f"step {step}: array {name} does not match the checksum saved with it "
-                    "(file damaged or changed after saving)"
-                )
+        _verify_checksums(step, manifest, state)
         return Restored(step, state, restored["meta"])
 
     def _set_aside(self, steps: list[int], log, why: str = "damaged") -> None:
         """Move steps out of Orbax's sight as ``<step>.<why>`` (kept for inspection, never deleted)."""
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("jaxmem-checkpoint-fallback")  # every process has read them
+        _sync("jaxmem-checkpoint-read")  # every process has read them before they move
         if jax.process_index() == 0:
             for step in steps:
                 source, dest = self.directory / str(step), self.directory / f"{step}.{why}"
@@ -306,10 +323,7 @@ class Checkpointer:
                     dest, n = self.directory / f"{step}.{why}.{n}", n + 1
                 source.rename(dest)
                 log(f"moved {why} checkpoint step {step} aside to {dest}")
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("jaxmem-checkpoint-set-aside")
+        _sync("jaxmem-checkpoint-set-aside")  # ... and every process sees them moved
         self.manager.reload()
 
     def restore_params(self, step: int | None = None) -> Restored:
@@ -354,12 +368,5 @@ def read_params(directory, step: int | None = None) -> Restored:
         reader.close()
     params, meta = restored["state"]["params"], restored["meta"]
     # Orbax's metadata tree spells integer dict keys as strings: compare names without quotes.
-    manifest = {name.replace("'", ""): value for name, value in meta.get("manifest", {}).items()}
-    for name, got in array_checksums({"params": params}).items():
-        want = manifest.get(name.replace("'", ""))
-        if want is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
-            raise CheckpointError(
-                f"checkpoint step {step}: array {name} does not match the checksum saved with it "
-                "(file damaged or changed after saving)"
-            )
+    _verify_checksums(step, _manifest(step, meta), {"params": params}, key=lambda name: name.replace("'", ""))
     return Restored(step, {"params": params}, meta)

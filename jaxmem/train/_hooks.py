@@ -60,7 +60,8 @@ class Hook:
 
 class CheckpointHook(Hook):
     """Resume from the newest checkpoint in ``directory`` that verifies (or ``restore_step``); save
-    every ``every`` steps and at the end. The state is saved in the model's layout, so any mesh restores it.
+    every ``every`` steps and at the end. The state is saved in the model's layout, so any mesh
+    restores it.
 
     Attributes:
         resumed_from: the step restored at start, or None.
@@ -89,12 +90,8 @@ class CheckpointHook(Hook):
             # A trained tokenizer lives beside the checkpoints: a resumed run and `jaxmem export` load it.
             if not os.path.exists(os.path.join(checkpointer.directory, BPETokenizer.FILE)):
                 tokenizer.save(str(checkpointer.directory))
-        if checkpointer.latest_step() is None:
-            from jaxmem.train._checkpoint import CheckpointError
-
-            if self.restore_step is not None:
-                raise CheckpointError(f"--restore-step {self.restore_step}: no checkpoint in {checkpointer.directory}")
-            return state
+        if checkpointer.latest_step() is None and self.restore_step is None:
+            return state  # a fresh run; an asked-for step in an empty directory is refused by restore
         restored = checkpointer.restore(trainer.restore_target(), self.restore_step, log=self.log)
         self.resumed_from = restored.step
         self.log(f"resumed from checkpoint step {restored.step} ({checkpointer.directory})")
