@@ -7,8 +7,8 @@ Tiny GPT (max_seq_len raised to the largest bucket; ``--d-model`` widens it), 1F
 synthetic tokens. Per (policy, length): one compile, one warm-up step, then the median of ``--steps``
 timed steps; the simulated step time on the calibrated CPU profile is printed beside it. Beside them,
 without the pipeline: plain ``jax.grad`` of the same model's loss on one device, as is (``plain save``)
-and under ``jax.checkpoint`` (``plain recompute``, one more forward) -- what recompute costs this CPU
-at all.
+and with every layer under ``jax.checkpoint`` (``plain recompute``: each layer's forward once more,
+checked by counting the dots of the compiled programs) -- what recompute costs this CPU at all.
 """
 
 from __future__ import annotations
@@ -34,27 +34,41 @@ from jaxmem.train import Trainer  # noqa: E402
 POLICIES = ("save-all", "selective", "recompute-all")
 
 
-def plain_grad_seconds(model, seq: int, steps: int) -> dict[str, float]:
-    """Median gradient time of the unpipelined model, without and with full recompute."""
+def plain_grad_seconds(model, seq: int, steps: int) -> dict[str, dict]:
+    """Median gradient time of the unpipelined model, without and with recompute of every layer.
+
+    Both run the same layer loop (the model's ``stage_sums`` as one stage); the recompute variant
+    wraps each layer in ``jax.checkpoint``, so its backward recomputes each layer's forward. (Wrapping
+    the whole loss in one ``jax.checkpoint`` would not: its forward is recomputed right where it was
+    just computed, and XLA compiles it to the plain program.) The dots in each compiled program are
+    counted to prove it: recompute adds the layers' forward dots once more.
+    """
     import jax.numpy as jnp
 
-    staged = get_model(model)
+    staged = dataclasses.replace(get_model(model), loss=None)  # the layer loop, not a fused reference loss
     params = staged.init(0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (32, seq)), jnp.int32)
-
-    def loss(params, tokens):
-        return staged.plain_loss(params, make_batch(tokens, jnp.roll(tokens, -1, axis=1)))
-
+    batch = make_batch(tokens, jnp.roll(tokens, -1, axis=1))
+    variants = {
+        "plain save": staged,
+        "plain recompute": dataclasses.replace(staged, layer=jax.checkpoint(staged.layer)),
+    }
     out = {}
-    for name, fn in (("plain save", loss), ("plain recompute", jax.checkpoint(loss))):
-        grad = jax.jit(jax.grad(fn))
-        jax.block_until_ready(grad(params, tokens))
+    for name, variant in variants.items():
+        grad = jax.jit(jax.grad(variant.plain_loss))
+        dots = grad.lower(params, batch).compile().as_text().count(" dot(")
+        jax.block_until_ready(grad(params, batch))
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            jax.block_until_ready(grad(params, tokens))
+            jax.block_until_ready(grad(params, batch))
             times.append(time.perf_counter() - start)
-        out[name] = float(np.median(times))
+        out[name] = {"seconds": float(np.median(times)), "dots": dots}
+    if out["plain recompute"]["dots"] <= out["plain save"]["dots"]:
+        raise SystemExit(f"the recompute control does not recompute: {out}")
+    # The old control, for the record: one checkpoint around the whole loss (not timed).
+    whole = jax.jit(jax.grad(jax.checkpoint(staged.plain_loss)))
+    out["plain save"]["dots_whole_loss_checkpoint"] = whole.lower(params, batch).compile().as_text().count(" dot(")
     return out
 
 
@@ -106,9 +120,26 @@ def main(argv=None):
                 file=sys.stderr,
             )
     for seq in buckets:
-        for name, seconds in plain_grad_seconds(model, seq, args.steps).items():
-            rows.append({"seq_len": seq, "policy": name, "step_seconds_median": seconds, "pipelined": False})
-            print(f"seq {seq:4d}  {name:14s} step {seconds:.3f}s (jax.grad, one device, no pipeline)", file=sys.stderr)
+        for name, got in plain_grad_seconds(model, seq, args.steps).items():
+            rows.append(
+                {
+                    "seq_len": seq,
+                    "policy": name,
+                    "step_seconds_median": got["seconds"],
+                    "compiled_dots": got["dots"],
+                    **(
+                        {"compiled_dots_whole_loss_checkpoint": got["dots_whole_loss_checkpoint"]}
+                        if "dots_whole_loss_checkpoint" in got
+                        else {}
+                    ),
+                    "pipelined": False,
+                }
+            )
+            print(
+                f"seq {seq:4d}  {name:14s} step {got['seconds']:.3f}s (jax.grad, one device, no pipeline; "
+                f"{got['dots']} dots compiled)",
+                file=sys.stderr,
+            )
     fastest = {
         seq: min(
             (r for r in rows if r["seq_len"] == seq and r.get("pipelined", True)),

@@ -30,6 +30,8 @@ METHODS = [
     # (label, schedule, virtual, policy)
     ("1F1B", "1f1b", None, "save-all"),
     ("1F1B + full recompute", "1f1b", None, "recompute-all"),
+    ("1F1B + selective", "1f1b", None, "selective"),
+    ("1F1B + Chronos-Recomp", "1f1b", None, "chronos-recomp"),
     ("interleaved-1F1B", "interleaved-1f1b", 2, "save-all"),
     ("ZB-H1", "zb-h1", None, "save-all"),
     ("V-Half", "v-half", None, "save-all"),
@@ -44,6 +46,8 @@ METHODS = [
 def score(base, layers, schedule_name, virtual, policy, args, hardware):
     config = dataclasses.replace(base, n_layers=layers)
     schedule = generate(schedule_name, args.pipe, args.microbatches, virtual)
+    stages = schedule.num_stages  # 2P for the V-shaped schedules: a multiple of P may split unevenly
+    counts = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
     return evaluate(
         config,
         schedule,
@@ -53,14 +57,15 @@ def score(base, layers, schedule_name, virtual, policy, args, hardware):
         seq=args.seq_len,
         data=1,
         hardware=hardware,
+        layer_counts=counts,
     )
 
 
 def max_depth(base, method, args, hardware, floor=None):
-    """Deepest multiple of 2P layers that fits (device bytes grow with depth: binary search); with
+    """Deepest multiple of P layers that fits (device bytes grow with depth: binary search); with
     ``floor``, also keeping per-layer throughput >= floor (it falls as more is recomputed)."""
     _, schedule_name, virtual, policy = method
-    step = 2 * args.pipe
+    step = args.pipe
 
     def fits(k):
         cand = score(base, k * step, schedule_name, virtual, policy, args, hardware)
@@ -125,6 +130,12 @@ def main(argv=None):
     parser.add_argument("--budget-gib", type=float, default=40.0, help="per-device memory budget (GiB)")
     parser.add_argument("--hardware", default="h100", help="h100, tpu-v5p or cpu")
     parser.add_argument("--width", default="gpt2-xl", help="preset giving the width (d_model, heads, vocab)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="compute dtype (bfloat16: bf16 compute with f32 master weights and Adam state, scored at the "
+        "profile's bf16 peak; float32: scored at the dtype's own peak, TF32 dense on the H100)",
+    )
     parser.add_argument("--pipe", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -140,7 +151,10 @@ def main(argv=None):
     parser.add_argument("-o", "--output", help="plot (.png)")
     args = parser.parse_args(argv)
     hardware = get_hardware(args.hardware)
-    base = get_config(args.width)
+    if args.dtype == "float32" and hardware.name == "h100":
+        # The profile's peak is dense bf16; float32 matmuls run as TF32 at half of it (494.7 TFLOP/s dense).
+        hardware = dataclasses.replace(hardware, peak_flops=hardware.peak_flops / 2, note=hardware.note + "; TF32")
+    base = dataclasses.replace(get_config(args.width), dtype=args.dtype)
     start = time.perf_counter()
     results = []
     floor = None
@@ -153,7 +167,7 @@ def main(argv=None):
             # ChronosPipe's claim is depth at comparable throughput: the deepest fitting depth whose
             # per-layer throughput stays >= the floor (throughput is not monotone in depth: the head is
             # amortised as depth grows, recompute grows with it), scanning down from the memory limit.
-            step = 2 * args.pipe
+            step = args.pipe
             while layers > 0 and cand.tokens_per_second * layers < floor:
                 layers -= step
                 cand = score(base, layers, method[1], method[2], method[3], args, hardware) if layers else None
@@ -180,6 +194,26 @@ def main(argv=None):
         )
     by = {r["name"]: r for r in results}
     full, one = by["ChronosPipe (all)"], by["1F1B"]
+    # Every method at the SAME depths (1F1B's deepest and full ChronosPipe's): per-layer throughput
+    # depends on depth (the head is amortised), so methods are compared where they both run.
+    same_depth = {}
+    for depth in sorted({one["max_layers"], full["max_layers"]} - {0}):
+        rows = {}
+        for method in METHODS:
+            cand = score(base, depth, method[1], method[2], method[3], args, hardware)
+            rows[method[0]] = {"fits": cand.fits, "per_layer_throughput": cand.tokens_per_second * depth}
+        same_depth[str(depth)] = rows
+        print(f"at {depth} layers: " + ", ".join(
+            f"{name} {'fits' if r['fits'] else 'OOM'} {r['per_layer_throughput']:,.0f}" for name, r in rows.items()
+        ), file=sys.stderr)  # fmt: skip
+    at_full = same_depth.get(str(full["max_layers"]), {})
+
+    def over(name):  # full ChronosPipe's per-layer throughput over a baseline's, both at ChronosPipe's depth
+        base_row = at_full.get(name)
+        if not base_row or not base_row["fits"] or not base_row["per_layer_throughput"]:
+            return None
+        return at_full["ChronosPipe (all)"]["per_layer_throughput"] / base_row["per_layer_throughput"]
+
     # 1F1B + full recompute at the depth full ChronosPipe reaches.
     recompute_there = score(base, full["max_layers"], "1f1b", None, "recompute-all", args, hardware)
     record = {
@@ -210,10 +244,18 @@ def main(argv=None):
             "per_layer_throughput": recompute_there.tokens_per_second * full["max_layers"],
             "chronos_over_it": full["per_layer_throughput"] / (recompute_there.tokens_per_second * full["max_layers"]),
         },
+        "same_depth": same_depth,
+        "chronos_over_baselines_at_its_depth": {
+            name: over(name) for name in ("1F1B + full recompute", "1F1B + selective", "1F1B + Chronos-Recomp")
+        },
+        "depth_ratios_vs_1f1b": {
+            r["name"]: (r["max_layers"] / one["max_layers"] if one["max_layers"] else None) for r in results
+        },
         "planner_seconds": time.perf_counter() - start,
         "notes": [
             "memory: analytical ledger (predicted); time: simulated on the hardware profile (predicted)",
-            "depths are multiples of 2P so every schedule splits the layers evenly",
+            "depths are searched in steps of P (a V-shaped schedule's 2P stages may then split unevenly)",
+            f"dtype {args.dtype}; peak {hardware.peak_flops / 1e12:.1f} TFLOP/s ({hardware.note})",
         ],
     }
     if not args.no_validate:

@@ -179,8 +179,11 @@ class TrainConfig:
             raise JaxmemError("--seq-len-schedule varies the program under the profiler: add --adaptive and --budget")
         if self.restore_step is not None and not self.checkpoint_dir:
             raise JaxmemError("--restore-step picks a step of --checkpoint-dir; add --checkpoint-dir")
-        if self.adaptive and self.checkpoint_dir:
-            raise JaxmemError("--adaptive runs do not checkpoint yet; drop --checkpoint-dir or --adaptive")
+        if self.adaptive and self.run_dir:
+            raise JaxmemError(
+                "--adaptive runs write no --run-dir metrics (their record is --profile-report, per program); "
+                "drop --run-dir or --adaptive"
+            )
         if self.budget and not (self.plan or self.adaptive or self.run_dir):
             raise JaxmemError(
                 "--budget is used by --plan auto and --adaptive (and shown beside the compiled bytes in "

@@ -32,7 +32,7 @@ CASES = [
     (["train", "--plan", "auto", "--budget", "1GiB", "--stages", "2"], "--plan auto chooses --stages"),
     (["train", "--budget", "1GiB"], "drop --budget"),
     (["train", "--seq-len-schedule", "8,16"], "add --adaptive"),
-    (["train", "--adaptive", "--budget", "1GiB", "--checkpoint-dir", "x"], "drop --checkpoint-dir or --adaptive"),
+    (["train", "--adaptive", "--budget", "1GiB", "--run-dir", "x"], "drop --run-dir or --adaptive"),
 ]
 
 

@@ -221,16 +221,14 @@ def test_trainable_size_benchmark_runs_small():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(proc.stdout)
-    for key in (
-        "budget_bytes",
-        "host_bandwidth_gbps",
-        "hardware",
-        "methods",
-        "chronos_vs_1f1b_depth_ratio",
-        "chronos_vs_1f1b_throughput_ratio",
-    ):
-        assert key in record
     assert {m["name"] for m in record["methods"]} >= {"1F1B", "ChronosPipe (all)", "V-Half", "V-Min"}
+    by = {m["name"]: m for m in record["methods"]}
+    one, full = by["1F1B"]["max_layers"], by["ChronosPipe (all)"]["max_layers"]
+    assert record["chronos_vs_1f1b_depth_ratio"] == full / one > 1 and one % 2 == full % 2 == 0  # steps of P=2
+    # Compared at the same depths: at ChronosPipe's, 1F1B does not fit and full recompute is slower.
+    at_full = record["same_depth"][str(full)]
+    assert not at_full["1F1B"]["fits"] and at_full["ChronosPipe (all)"]["fits"]
+    assert record["chronos_over_baselines_at_its_depth"]["1F1B + full recompute"] > 1
 
 
 def test_chronos_trains(capsys):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -488,6 +489,36 @@ def test_the_hung_worker_is_blamed_not_the_peer_that_noticed():
     assert hung.returncode is not None and peer.returncode is not None
 
 
+@pytest.mark.timeout(300)
+def test_a_sigstopped_worker_is_found_by_its_heartbeat_and_blamed(tmp_path):
+    """The drill: SIGSTOP worker 1 of a running launch. Its heartbeat goes stale; the launcher names
+    worker 1 (not worker 0, whose collective with it times out), and with no restarts left gives up
+    in one clear line with exit 1."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxmem", "launch", "--nprocs", "2", "--run-dir", str(run_dir), "--timeout", "250",
+           "--heartbeat-seconds", "8", "--max-restarts", "0", "--", "--stages", "2", "--microbatches", "2",
+           "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    samples, deadline = run_dir / "samples.log", time.time() + 200
+    while time.time() < deadline and launcher.poll() is None:
+        if samples.exists() and len(samples.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    try:
+        rank1 = [pid for pid in children if "JAXMEM_PROCESS_ID=1\0" in Path(f"/proc/{pid}/environ").read_text()]
+        assert len(rank1) == 1, children
+        os.kill(int(rank1[0]), signal.SIGSTOP)
+        _, err = launcher.communicate(timeout=200)
+    finally:
+        launcher.kill()  # (its workers get SIGTERM from their parent-death signal)
+    assert launcher.returncode == 1, err[-2000:]
+    assert "worker 1 failed at step" in err and "worker 0 failed" not in err, err[-2000:]
+    assert "no restarts left (--max-restarts 0): giving up" in err and "error: the job failed 1 time(s)" in err
+    assert "Traceback" not in err and not _alive(str(run_dir))  # the stopped worker was continued and stopped
+
+
 def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_not_a_failure(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--stages", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]
@@ -519,3 +550,61 @@ def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "stopped on an error (not a failure to recover from)" in proc.stderr
     assert f"no checkpoint step {saved + 1000}" in proc.stderr and "planning recovery" not in proc.stderr
+
+
+def test_train_joins_a_slurm_job_by_its_environment(tmp_path, monkeypatch):
+    """Two `jaxmem train` processes started with the variables `srun` sets (by hand, on 127.0.0.1)
+    form one job through JAX's cluster auto-detection: one device each, a 2-stage pipeline across
+    them, and the same losses as the one-process run."""
+    import socket
+
+    from jaxmem.cli._common import cluster_job
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
+        monkeypatch.delenv(key, raising=False)
+    assert cluster_job() is None
+    slurm = {"SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_PROCID": "0"}
+    for job in range(4096):  # JAX's SLURM port is 61440 + job id % 4096: find a free one
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + job))
+            except OSError:
+                continue
+        break
+    slurm["SLURM_JOB_ID"] = str(job)
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert cluster_job() == ("SLURM", 2)
+    monkeypatch.setenv("JAXMEM_DISTRIBUTED", "0")
+    assert cluster_job() is None
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.delenv("JAXMEM_DISTRIBUTED")
+    assert cluster_job() is None  # a one-task job runs alone
+
+    argv = [sys.executable, "-m", "jaxmem", "train", "--stages", "2", "--microbatches", "2", "--batch-size", "4"]
+    argv += ["--seq-len", "16", "--steps", "3", "--quiet", "--json"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    procs = [
+        subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert "joining a SLURM job of 2 processes" in err
+    records = [json.loads(out[out.index("{\n") :]) for out, _ in outs]
+    assert [r["processes"] for r in records] == [2, 2]
+    alone = Trainer(TrainConfig(stages=2, **SMALL))
+    _, reference = _run(alone, alone.init_state(), 3)
+    np.testing.assert_allclose(records[0]["losses"], reference, rtol=1e-5)

@@ -102,6 +102,23 @@ def test_ledger_moves_offloaded_bytes_to_host():
         assert moved > 0 and w.categories["params"].host == moved
 
 
+def test_the_update_time_copy_of_offloaded_state_is_booked():
+    """Offloaded weights / optimizer state come to the device for the update, when the stash is dead:
+    with a small stash (recompute-all) that copy sets the transient peak."""
+    schedule = generate("1f1b", 4, 8)
+    base = predict("tiny", schedule, "recompute-all", batch=8, seq=16)
+    both = StagePolicy(base="recompute-all", offload_weights=True, offload_optimizer_state=True)
+    off = predict("tiny", schedule, both, batch=8, seq=16)
+    for b, o in zip(base.ranks, off.ranks):
+        host = o.categories["params"].host + o.categories["optimizer_state"].host
+        assert host > 0 and o.host_bytes >= host
+        assert (
+            o.categories["transient"].device
+            == max(b.categories["transient"].device, host - o.categories["stash"].device)
+            > b.categories["transient"].device
+        )
+
+
 def test_live_stash_follows_the_schedule():
     ledger = predict("llama-tiny", generate("1f1b", 4, 8), "save-all", batch=32, seq=64)
     live = [r.live_stash_bytes for r in ledger.ranks]

@@ -179,6 +179,19 @@ def test_masked_loss_and_layer_drop_equal_plain_grad():
     result = verify(schedule, model="llama-tiny", loss_mask=True, drop_layers={1, 2})
     assert result["ok"] and result["drop_layers"] == [1, 2] and result["loss_mask"], result
 
+    def nudge_a_dropped_layer(grads):  # a dropped layer must get exactly zero gradient
+        grads["layers"][1]["w_up"]["kernel"] = grads["layers"][1]["w_up"]["kernel"] + 1e-3
+        return grads
+
+    def lose_a_leaf(grads):  # a gradient tree of another structure is a failure, not skipped leaves
+        del grads["layers"][2]["w_up"]
+        return grads
+
+    nudged = verify(schedule, model="llama-tiny", drop_layers={1, 2}, perturb=nudge_a_dropped_layer)
+    assert not nudged["ok"] and nudged["first_mismatch"] == "['layers'][1]['w_up']['kernel']"
+    lost = verify(schedule, model="llama-tiny", drop_layers={1, 2}, perturb=lose_a_leaf)
+    assert not lost["ok"] and lost["first_mismatch"].startswith("tree structure")
+
 
 def test_mixed_precision_keeps_float32_params_grads_and_optimizer_state():
     from jaxmem.config import TrainConfig

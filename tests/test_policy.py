@@ -191,6 +191,65 @@ def test_offload_weights_keeps_stage_weights_on_host():
     assert kinds == {"pinned_host"}
 
 
+def _gpu_placements(policy):
+    """The train step of ``policy`` lowered for a GPU (StableHLO; no GPU needed): the memory kinds of
+    its in-program placements and of its arguments, counted."""
+    import re
+
+    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, policy=policy))
+    state = trainer.init_state()
+    traced = trainer.step_fn.trace(state.params, state.opt_state, trainer.batch_spec())
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    placements = re.findall(r'_xla_buffer_placement = "(\w+)"', text)
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    arguments = re.findall(r'mhlo.memory_kind = "(\w+)"', main.split("->")[0])
+    return trainer, state, placements.count("pinned_host"), arguments.count("pinned_host")
+
+
+def test_offload_survives_lowering_where_a_gpu_would_run_it():
+    """Host placement is checked in the program XLA gets, not only in jaxpr types. On CPU, JAX lowers an
+    in-program ``device_put`` to a memory space as nothing (jax/_src/dispatch.py), so the program is
+    lowered for a GPU instead: every offload policy's host transfers and host-resident arguments are
+    there, and nothing else is on host."""
+    counts = {}
+    for name, policy in [
+        ("save-all", "save-all"),
+        ("offload-stash", "offload-stash"),
+        ("offload-tags", {"base": "save-all", "mlp_hidden": "offload"}),
+        ("offload-weights", "offload-weights"),
+        ("offload-optimizer-state", "offload-optimizer-state"),
+    ]:
+        trainer, state, *counts[name] = _gpu_placements(policy)
+        if name == "offload-stash":  # ... and the CPU's own lowering drops them (so the CPU saves nothing)
+            assert "pinned_host" not in trainer.lower(state).as_text()
+    stage_leaves = len(jax.tree.leaves(state.params.stages))
+    assert counts["save-all"] == [0, 0]
+    # Stash: transfers only (each buffer written to host and read back), no host argument.
+    assert counts["offload-stash"][0] > counts["offload-tags"][0] > 0
+    assert counts["offload-stash"][1] == counts["offload-tags"][1] == 0
+    # Weights / optimizer state live on host between steps: host arguments, copied in for the update.
+    assert counts["offload-weights"][1] == stage_leaves
+    assert counts["offload-optimizer-state"][1] == 2 * stage_leaves  # Adam's mu and nu
+    assert counts["offload-weights"][0] > 0 and counts["offload-optimizer-state"][0] > 0
+
+
+def test_offload_optimizer_state_trains_with_moments_on_host():
+    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, policy="offload-optimizer-state"))
+    state = trainer.init_state()
+    reference = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16))
+    ref_state = reference.init_state()
+    for _ in range(2):
+        state, metrics, _ = trainer.step(state)
+        ref_state, ref_metrics, _ = reference.step(ref_state)
+        assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-6)
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim]
+    kinds = [leaf.sharding.memory_kind for leaf in moments]
+    stage_leaves = len(jax.tree.leaves(state.params.stages))
+    assert kinds.count("pinned_host") == 2 * stage_leaves and "device" in kinds  # shared moments stay
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"device"}
+    assert ":S(5)}" in trainer.compiled(state).as_text()  # host memory space in the compiled layouts
+
+
 def test_the_gpt_declares_every_tag_it_emits_and_selective_recomputes_its_quadratic_group():
     from jaxmem.models.gpt import HEAD_TAGS, TAGS
 

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 
+from jaxmem._errors import JaxmemError
 from jaxmem._util import load_toml as load_toml
 from jaxmem._util import parse_bytes as parse_bytes
 from jaxmem._util import parse_int_list as parse_int_list
@@ -50,11 +51,37 @@ def setup_devices(count: int | None) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def maybe_initialize_distributed() -> None:
-    """Join a multi-process JAX job when launched as one (jaxmem launch, SLURM, Kubernetes, TPU pods)."""
-    if os.environ.get("JAXMEM_COORDINATOR"):
-        import jax
+# The variables by which a cluster launcher tells each process it started who it is (JAX's own
+# cluster detection, jax._src.clusters, reads the same ones to find the coordinator and the ranks).
+_CLUSTERS = {
+    "SLURM": ("SLURM_NTASKS", ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")),
+    "Open MPI": ("OMPI_COMM_WORLD_SIZE", ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_RANK")),
+}
 
+
+def cluster_job() -> tuple[str, int] | None:
+    """The cluster launcher that started this process as one of several (its name and the number
+    of processes), or None. ``JAXMEM_DISTRIBUTED=0`` opts out (run as one process anyway)."""
+    if os.environ.get("JAXMEM_DISTRIBUTED") == "0":
+        return None
+    for name, (count, others) in _CLUSTERS.items():
+        if count in os.environ and all(v in os.environ for v in others):
+            try:
+                processes = int(os.environ[count])
+            except ValueError:
+                continue
+            if processes > 1:
+                return name, processes
+    return None
+
+
+def maybe_initialize_distributed() -> None:
+    """Join a multi-process JAX job when launched as one: by ``jaxmem launch`` (its own variables),
+    or by a cluster launcher JAX detects (``srun`` under SLURM, ``mpirun`` of Open MPI), with JAX's
+    auto-detection of the coordinator, the process count and this process's rank."""
+    import jax
+
+    if os.environ.get("JAXMEM_COORDINATOR"):
         jax.distributed.initialize(
             coordinator_address=os.environ["JAXMEM_COORDINATOR"],
             num_processes=int(os.environ["JAXMEM_NUM_PROCESSES"]),
@@ -62,6 +89,21 @@ def maybe_initialize_distributed() -> None:
             heartbeat_timeout_seconds=int(os.environ.get("JAXMEM_HEARTBEAT_SECONDS", "100")),
             initialization_timeout=120,
         )
+        return
+    job = cluster_job()
+    if job is None:
+        return
+    name, processes = job
+    print(f"jaxmem: joining a {name} job of {processes} processes (set JAXMEM_DISTRIBUTED=0 to run alone)",
+          file=sys.stderr)  # fmt: skip
+    try:
+        jax.distributed.initialize(initialization_timeout=int(os.environ.get("JAXMEM_INIT_TIMEOUT", "300")))
+    except Exception as e:  # noqa: BLE001 -- JAX raises bare RuntimeError/XlaRuntimeError here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise JaxmemError(
+            f"could not join the {name} job of {processes} processes: {first}. Check that every task "
+            "runs jaxmem and can reach the first node, or set JAXMEM_DISTRIBUTED=0 to run as one process"
+        ) from None
 
 
 def print_json(record) -> None:

@@ -17,8 +17,9 @@ Everything after `--` goes to `jaxmem train` (a checkpoint directory and a sampl
 --heartbeat-seconds -- the launcher stops the other workers, asks the recovery planner for the best
 configuration for what is left (`jaxmem elastic recovery` shows the same decision), and restarts from the last
 complete checkpoint. --inject-failure makes worker R SIGKILL itself at step K (first attempt only),
-for tests and drills. Workers meet on 127.0.0.1 here; on SLURM/Kubernetes/TPU, start `jaxmem train`
-with your cluster's launcher instead: it joins via jax.distributed.initialize() auto-detection."""
+for tests and drills. Workers meet on 127.0.0.1 here; on a SLURM or Open MPI cluster, start
+`jaxmem train` with `srun` / `mpirun` instead: it joins via jax.distributed.initialize() auto-detection
+(JAXMEM_DISTRIBUTED=0 runs a task alone)."""
 
 
 def add_parser(sub) -> None:
@@ -84,4 +85,8 @@ def run(args) -> int:
         return 128 + e.signum
     if args.json:
         print_json(result.to_json())
-    return 0 if result.ok else 1
+    if not result.ok:
+        print(f"error: the job failed {len(result.attempts)} time(s) and was given up (logs in {result.run_dir})",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0

@@ -75,7 +75,7 @@ def run(args) -> int:
         print_json(summary)
     elif summary.get("adaptive"):
         print(
-            f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
+            f"done: {summary['steps']} steps, {_losses(summary)}, "
             f"{summary['signatures']} programs, {summary['compiles']} compiles, "
             f"{summary['budget_violations']} budget violations"
         )
@@ -86,8 +86,15 @@ def run(args) -> int:
                 f"step {row['step_seconds'] or 0:.3f}s"
             )
     else:
+        rate = summary["tokens_per_second"]
         print(
-            f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
-            f"{summary['tokens_per_second']:,.0f} tokens/s (compile {summary['compile_seconds']:.1f}s)"
+            f"done: {summary['steps']} steps, {_losses(summary)}"
+            + (f", {rate:,.0f} tokens/s (compile {summary['compile_seconds']:.1f}s)" if rate else "")
         )
     return 0
+
+
+def _losses(summary: dict) -> str:
+    if summary["loss_first"] is None:  # resumed at its last step
+        return "no step left to run"
+    return f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"

@@ -3,8 +3,9 @@ exits, or its heartbeat stops) the rest are stopped, the recovery planner picks 
 left, and the job restarts from the last complete checkpoint.
 
 Workers are ``python -m jaxmem train ...`` processes. Here they meet on 127.0.0.1 (gloo collectives on
-CPU); on a cluster the same train command joins through ``jax.distributed.initialize()``'s
-auto-detection (SLURM, Kubernetes, TPU) instead of this launcher's environment variables.
+CPU); on a cluster the same train command, started by ``srun`` or ``mpirun``, joins through
+``jax.distributed.initialize()``'s auto-detection instead of this launcher's environment variables
+(:func:`jaxmem.cli._common.maybe_initialize_distributed`).
 
 The launcher owns its workers: each runs in its own session (a terminal's Ctrl-C reaches the launcher
 only) with a parent-death signal (SIGTERM when the launcher dies, however it dies, on Linux);
@@ -288,6 +289,13 @@ def launch(
             measured = reported[len(reported) // 2] if reported else None
             attempt.measured_step_seconds = measured
             restart_seconds = (first - attempt.started) if first else 15.0
+            if attempt_index == max_restarts:
+                log(
+                    f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); no "
+                    f"restarts left (--max-restarts {max_restarts}): giving up. Rerun the same command to resume "
+                    f"from the last checkpoint (logs in {run})"
+                )
+                return LaunchResult(False, attempts, str(run), None)
             log(
                 f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); "
                 "planning recovery"
@@ -327,7 +335,7 @@ def launch(
                 ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None,
             )
             args = _with_flag(args, "--devices", None)
-        return LaunchResult(False, attempts, str(run), summary)
+        return LaunchResult(False, attempts, str(run), None)  # not reached: the last attempt returns
     except LaunchInterrupted as e:
         log(f"launcher got {signal.Signals(e.signum).name}: stopping the workers (each saves its current step)")
         _stop(workers, grace=120)

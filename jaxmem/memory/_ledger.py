@@ -181,6 +181,11 @@ def predict(
     messages = (tick.act_slots + 1 + tick.grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // data_parallel) * seq * 4
     transient = messages + inputs + slot_out + BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
+    # The update brings offloaded weights and optimizer state to the device (the train step's to_device)
+    # after the backward, when the stash arenas are dead: that copy is the transient peak when it is
+    # larger than the stash and the backward's working set together.
+    update_copy = params.host + optimizer.host
+    transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
     return Ledger("predicted", ranks, _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source))
 

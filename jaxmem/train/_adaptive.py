@@ -39,14 +39,27 @@ def _explored_text(explored: dict) -> str:
     )
 
 
-def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
-    """Training under the online profiler: the program changes with the workload, the policy follows."""
+def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> dict:
+    """Training under the online profiler: the program changes with the workload, the policy follows.
+
+    Checkpoints, the sample log and SIGTERM/SIGINT behave as in :func:`jaxmem.train.train`: the
+    config's hooks (plus ``hooks``) resume the state, data position and step, and the workload
+    (sequence length, dropped layers) of a resumed run continues where the saved one stopped.
+    """
     from rich.console import Console
 
     from jaxmem.profiler import AdaptiveProfiler
+    from jaxmem.train._hooks import StepInfo
+    from jaxmem.train._loop import _StopRequests, default_hooks
 
+    console = Console(stderr=True)
+    log = (lambda line: console.print(line, markup=False, highlight=False)) if progress else (lambda line: None)
     trainer = Trainer(config)
+    hooks = [*default_hooks(config, log), *hooks]
     state = trainer.init_state()
+    for hook in hooks:
+        state = hook.on_start(trainer, state)
+    first_step = state.step
     hardware = None if config.hardware == "auto" else config.hardware
     profiler = AdaptiveProfiler(
         trainer.pipeline,
@@ -57,32 +70,46 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
         explore=config.explore,
         horizon=config.steps,
     )
-    console = Console(stderr=True)
     losses, tokens, start = [], 0, time.perf_counter()
     known, explored = 0, set()
-    for i, (seq, drop) in enumerate(adaptive_workload(config)):
-        data = dataclasses.replace(state.data, seq_len=seq)
-        batch = data.batch_at(state.data.position)
-        state, loss = profiler.step(state, trainer.put_batch(batch), drop)
-        state = dataclasses.replace(
-            state, data=dataclasses.replace(state.data, position=state.data.position + config.batch_size)
-        )
-        losses.append(float(loss))
-        tokens += config.batch_size * seq
-        if progress and len(profiler.records) > known:
-            record = profiler.records[-1]
-            console.print(
-                f"step {i + 1}: new program ({record.label}) -> policy {record.policy}, "
-                f"{record.compiled_bytes / 2**20:.2f} MiB compiled (budget {config.budget / 2**20:.2f} MiB), "
-                f"{record.compiles} compile(s), {record.adapt_seconds:.1f}s"
+    stop = _StopRequests()
+    with stop:
+        for i, (seq, drop) in enumerate(adaptive_workload(config)):
+            if i < first_step:
+                continue  # the saved run did these steps
+            tick = time.perf_counter()
+            data = dataclasses.replace(state.data, seq_len=seq)
+            batch = data.batch_at(state.data.position)
+            state, loss = profiler.step(state, trainer.put_batch(batch), drop)
+            state = dataclasses.replace(
+                state, data=dataclasses.replace(state.data, position=state.data.position + config.batch_size)
             )
-            known = len(profiler.records)
-        elif progress and (i + 1) % 10 == 0:
-            console.print(f"step {i + 1}/{config.steps}: loss {losses[-1]:.3f}")
-        for record in profiler.records if progress else ():
-            if record.explored is not None and record.label not in explored:
-                console.print(f"step {i + 1}: explored ({record.label}): {_explored_text(record.explored)}")
-                explored.add(record.label)
+            losses.append(float(loss))
+            tokens += config.batch_size * seq
+            info = StepInfo(state.step, losses[-1], batch, time.perf_counter() - tick, (), {})
+            for hook in hooks:
+                hook.on_step(trainer, state, info)
+            if progress and len(profiler.records) > known:
+                record = profiler.records[-1]
+                console.print(
+                    f"step {i + 1}: new program ({record.label}) -> policy {record.policy}, "
+                    f"{record.compiled_bytes / 2**20:.2f} MiB compiled (budget {config.budget / 2**20:.2f} MiB), "
+                    f"{record.compiles} compile(s), {record.adapt_seconds:.1f}s"
+                )
+                known = len(profiler.records)
+            elif progress and (i + 1) % 10 == 0:
+                console.print(f"step {i + 1}/{config.steps}: loss {losses[-1]:.3f}")
+            for record in profiler.records if progress else ():
+                if record.explored is not None and record.label not in explored:
+                    console.print(f"step {i + 1}: explored ({record.label}): {_explored_text(record.explored)}")
+                    explored.add(record.label)
+            if stop.requested(state.step):
+                break
+        if stop.reason:
+            saved = "saving a checkpoint" if config.checkpoint_dir else "no --checkpoint-dir, so nothing is saved"
+            log(f"{stop.reason}: stopping after step {state.step}/{config.steps}, {saved}")
+        for hook in hooks:
+            hook.on_end(trainer, state)
     seconds = time.perf_counter() - start
     profiler.close()
     report = profiler.report()
@@ -90,9 +117,13 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True) -> dict:
         profiler.write_report(config.profile_report)
     violations = sum(1 for r in profiler.records if r.compiled_bytes > config.budget)
     return {
-        "steps": len(losses),
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
+        "steps": state.step,
+        "steps_run": len(losses),
+        "resumed_from": first_step or None,
+        "interrupted": stop.reason,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "losses": losses,
         "tokens_per_second": tokens / seconds,
         "seconds": seconds,
         "schedule": trainer.schedule.name,

@@ -14,6 +14,10 @@ Guarantees a resumed run relies on:
 - verified restores: every step carries a checksum manifest (a step without one is refused), and
   each restored array is checked against it; a step saved by a different model or optimizer (names or
   shapes differ) is refused as such, before anything is read;
+- failed saves stop the run at once: a background save that fails (disk full, permission, file-size
+  limit) is reported at the next step, naming the cause and the last committed step, which is left
+  intact (Orbax writes into a temporary directory and deletes old steps only after a save commits);
+  before each save, free space below twice the step's size is warned about;
 - fallback: with no step asked for, a latest step that fails verification is announced and the next
   older one is tried; the failing steps are then moved aside as ``<step>.damaged`` (kept, never
   deleted, and out of Orbax's keep-last-K garbage collection, which counts only good steps). Asking
@@ -22,11 +26,16 @@ Guarantees a resumed run relies on:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
+import logging
 import os
+import re
+import shutil
 import socket
+import sys
 import zlib
 from pathlib import Path
 
@@ -130,6 +139,64 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]
 
 
+def _write_failure(e: Exception) -> str:
+    """The operating system's reason for a failed write (TensorStore names it by errno), else the
+    error's first line."""
+    code = getattr(e, "errno", None)
+    if code is None:
+        found = re.search(r"os_error_code='?(\d+)", str(e))
+        code = int(found.group(1)) if found else None
+    return f"{os.strerror(code)} (errno {code})" if code else _first_line(e)
+
+
+class _QuietOrbaxSaveErrors(logging.Filter):
+    """Orbax logs a failed background save as several ERROR tracebacks from its threads; the
+    Checkpointer reports that failure itself, in one line, so those records (and only those: Orbax's
+    other errors still show) are dropped."""
+
+    SAVE_FAILURE = ("raised an exception", "Handler Commit operations", "Save Finalize thread", "may not be finalized")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.levelno >= logging.ERROR
+            and f"{os.sep}orbax{os.sep}" in record.pathname
+            and any(text in str(record.msg) for text in self.SAVE_FAILURE)
+        )
+
+
+_QUIET = _QuietOrbaxSaveErrors()
+
+
+class _QuietAftermath(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)  # a Future's or a Task's
+
+
+def _closed_loop(unraisable) -> bool:
+    return isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)
+
+
+def _quiet_aftermath() -> None:
+    """After a failed write, TensorStore's other writes of that save still complete and fail alike:
+    their callbacks find Orbax's event loop closed (each an unraisable exception's traceback, dozens
+    of them) or their futures are dropped unread (asyncio logs each). The Checkpointer reports the
+    failure once, in one line, so those (and only those) are dropped while one is open."""
+    if getattr(sys.unraisablehook, "jaxmem_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop(unraisable):
+            previous(unraisable)
+
+    hook.jaxmem_quiet = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_QUIET_AFTERMATH)
+
+
+_QUIET_AFTERMATH = _QuietAftermath()
+
+
 def _check_same_arrays(step: int, manifest: dict, target: dict) -> None:
     """Refuse a step whose arrays (names, shapes) are not the ones ``target`` expects."""
     want = {jax.tree_util.keystr(p): list(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(target)}
@@ -163,14 +230,25 @@ class Checkpointer:
         every: save every N steps.
         keep: keep the last K steps.
         async_save: write in the background (the next save waits for the previous one).
+        log: where warnings go (low free space before a save).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, every: int = 10, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every: int = 10,
+        keep: int = 3,
+        async_save: bool = True,
+        log=None,
+    ):
         import orbax.checkpoint as ocp
 
         self.directory = Path(directory).absolute()
         self.every = every
         self.keep = keep
+        self.log = log or (lambda line: None)
+        self._pending: int | None = None  # the step whose save may still be in flight
         self._check_directory()
         self._lock = _lock(self.directory) if jax.process_index() == 0 else None
         options = ocp.CheckpointManagerOptions(
@@ -181,6 +259,8 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        logging.getLogger("absl").addFilter(_QUIET)  # idempotent: a filter is added once
+        _quiet_aftermath()
 
     def _check_directory(self) -> None:
         marker = self.directory / MARKER
@@ -209,29 +289,81 @@ class Checkpointer:
         return step % self.every == 0
 
     def save(self, step: int, state: dict, meta: dict, force: bool = False) -> bool:
-        """Save ``state`` (model layout) with ``meta`` at ``step`` (when due, or ``force``)."""
+        """Save ``state`` (model layout) with ``meta`` at ``step`` (when due, or ``force``).
+
+        Raises:
+            CheckpointError: this save, or the previous one still in flight, failed.
+        """
         import orbax.checkpoint as ocp
 
         if not force and not self.should_save(step):
             return False
         manifest = array_checksums(state)
+        self._check_free_space(sum(leaf.nbytes for leaf in jax.tree.leaves(state)))
         payload = {**meta, "step": step, "manifest": manifest}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(payload)),
-            force=True,
-        )
+        self.wait()  # the previous save: a failure there is named as its own
+        with self._reporting_failures(step):
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(payload)),
+                force=True,
+            )
+        self._pending = step
         return True
 
+    def poll(self) -> None:
+        """Raise at once if a background save has failed (cheap; call it every step)."""
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for a save in flight; raise :class:`CheckpointError` if it failed."""
+        with self._reporting_failures(self._pending):
+            self.manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
-        if self._lock is not None:
-            self._lock.close()  # releases the lock
-            self._lock = None
+        """Wait for a save in flight and release the directory (raises if that save failed; the
+        directory is released either way)."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            if self._lock is not None:
+                self._lock.close()  # releases the lock
+                self._lock = None
+
+    @contextlib.contextmanager
+    def _reporting_failures(self, step: int | None):
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on write errors
+            if isinstance(e, CheckpointError):
+                raise
+            self._pending = None
+            committed = self.latest_step()
+            kept = (
+                f"the last committed step, {committed}, is intact and a rerun resumes from it"
+                if committed is not None
+                else "no step was committed yet"
+            )
+            what = "a checkpoint save" if step is None else f"saving checkpoint step {step}"
+            raise CheckpointError(
+                f"{what} to {self.directory} failed: {_write_failure(e)}. Training "
+                f"stopped; {kept}. Free disk space, raise the file-size limit (ulimit -f) or fix the "
+                "directory's permissions, then rerun"
+            ) from None
+
+    def _check_free_space(self, nbytes: int) -> None:
+        if jax.process_index() != 0:
+            return
+        free = shutil.disk_usage(self.directory).free
+        if free < 2 * nbytes:
+            self.log(
+                f"warning: {free / 2**20:.1f} MiB free on {self.directory}, and a checkpoint step takes about "
+                f"{nbytes / 2**20:.1f} MiB (keeping {self.keep} steps); the save may fail. Free disk space or "
+                "pass another --checkpoint-dir"
+            )
 
     def __del__(self):  # a Checkpointer dropped without close() still releases its lock
         lock = getattr(self, "_lock", None)

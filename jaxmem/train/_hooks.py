@@ -11,6 +11,7 @@ from collections.abc import Callable
 import jax
 
 from jaxmem.data import Batch, BPETokenizer
+from jaxmem.train._checkpoint import CheckpointError
 from jaxmem.train._state import TrainState
 
 __all__ = ["CheckpointHook", "Hook", "SampleLogHook", "StepInfo"]
@@ -78,9 +79,9 @@ class CheckpointHook(Hook):
     ):
         from jaxmem.train._checkpoint import Checkpointer
 
-        self.checkpointer = Checkpointer(directory, every=every, keep=keep)
-        self.restore_step = restore_step
         self.log = log or (lambda line: None)
+        self.checkpointer = Checkpointer(directory, every=every, keep=keep, log=self.log)
+        self.restore_step = restore_step
         self.resumed_from: int | None = None
 
     def on_start(self, trainer, state):
@@ -98,9 +99,14 @@ class CheckpointHook(Hook):
         return trainer.import_state(restored.state, restored.meta)
 
     def on_step(self, trainer, state, info):
-        if self.checkpointer.should_save(state.step):
-            exported, meta = trainer.export_state(state)
-            self.checkpointer.save(state.step, exported, meta)
+        try:
+            self.checkpointer.poll()  # a background save that failed stops the run now, not a save later
+            if self.checkpointer.should_save(state.step):
+                exported, meta = trainer.export_state(state)
+                self.checkpointer.save(state.step, exported, meta)
+        except CheckpointError:
+            self.on_error(trainer, state)
+            raise
 
     def on_end(self, trainer, state):
         checkpointer = self.checkpointer
@@ -111,8 +117,10 @@ class CheckpointHook(Hook):
         checkpointer.close()
 
     def on_error(self, trainer, state):
-        self.checkpointer.wait()  # saves of earlier, good steps complete
-        self.checkpointer.close()
+        try:
+            self.checkpointer.close()  # saves of earlier, good steps complete; the directory is released
+        except CheckpointError:
+            pass  # a failed save: the error being raised already says so
 
 
 class SampleLogHook(Hook):

@@ -213,7 +213,7 @@ def train(
     if config.adaptive:
         from jaxmem.train._adaptive import train_adaptive
 
-        return train_adaptive(config, progress=progress)
+        return train_adaptive(config, progress=progress, hooks=hooks)
     trainer = trainer or Trainer(config)
     config = trainer.config  # with the data's vocabulary
     hooks = [*default_hooks(config, log), *hooks]
