@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, first_line
 from jaxmem._util import load_toml as load_toml
 from jaxmem._util import parse_bytes as parse_bytes
 from jaxmem._util import parse_int_list as parse_int_list
@@ -99,9 +99,8 @@ def maybe_initialize_distributed() -> None:
     try:
         jax.distributed.initialize(initialization_timeout=int(os.environ.get("JAXMEM_INIT_TIMEOUT", "300")))
     except Exception as e:  # noqa: BLE001 -- JAX raises bare RuntimeError/XlaRuntimeError here
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise JaxmemError(
-            f"could not join the {name} job of {processes} processes: {first}. Check that every task "
+            f"could not join the {name} job of {processes} processes: {first_line(e)}. Check that every task "
             "runs jaxmem and can reach the first node, or set JAXMEM_DISTRIBUTED=0 to run as one process"
         ) from None
 

@@ -295,7 +295,7 @@ def launch(
                     f"restarts left (--max-restarts {max_restarts}): giving up. Rerun the same command to resume "
                     f"from the last checkpoint (logs in {run})"
                 )
-                return LaunchResult(False, attempts, str(run), None)
+                break
             log(
                 f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); "
                 "planning recovery"
@@ -335,7 +335,7 @@ def launch(
                 ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None,
             )
             args = _with_flag(args, "--devices", None)
-        return LaunchResult(False, attempts, str(run), None)  # not reached: the last attempt returns
+        return LaunchResult(False, attempts, str(run), None)
     except LaunchInterrupted as e:
         log(f"launcher got {signal.Signals(e.signum).name}: stopping the workers (each saves its current step)")
         _stop(workers, grace=120)

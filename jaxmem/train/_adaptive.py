@@ -46,14 +46,11 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
     config's hooks (plus ``hooks``) resume the state, data position and step, and the workload
     (sequence length, dropped layers) of a resumed run continues where the saved one stopped.
     """
-    from rich.console import Console
-
     from jaxmem.profiler import AdaptiveProfiler
     from jaxmem.train._hooks import StepInfo
-    from jaxmem.train._loop import _StopRequests, default_hooks
+    from jaxmem.train._loop import _console_log, _StopRequests, default_hooks
 
-    console = Console(stderr=True)
-    log = (lambda line: console.print(line, markup=False, highlight=False)) if progress else (lambda line: None)
+    console, log = _console_log(progress)
     trainer = Trainer(config)
     hooks = [*default_hooks(config, log), *hooks]
     state = trainer.init_state()
@@ -105,9 +102,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
                     explored.add(record.label)
             if stop.requested(state.step):
                 break
-        if stop.reason:
-            saved = "saving a checkpoint" if config.checkpoint_dir else "no --checkpoint-dir, so nothing is saved"
-            log(f"{stop.reason}: stopping after step {state.step}/{config.steps}, {saved}")
+        stop.announce(state.step, config, log)
         for hook in hooks:
             hook.on_end(trainer, state)
     seconds = time.perf_counter() - start

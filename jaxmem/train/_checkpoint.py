@@ -42,7 +42,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, first_line
 
 __all__ = ["CheckpointError", "Checkpointer", "array_checksums", "read_params"]
 
@@ -135,10 +135,6 @@ def _verify_checksums(step: int, manifest: dict, tree, key=lambda name: name) ->
             )
 
 
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]
-
-
 def _write_failure(e: Exception) -> str:
     """The operating system's reason for a failed write (TensorStore names it by errno), else the
     error's first line."""
@@ -146,7 +142,7 @@ def _write_failure(e: Exception) -> str:
     if code is None:
         found = re.search(r"os_error_code='?(\d+)", str(e))
         code = int(found.group(1)) if found else None
-    return f"{os.strerror(code)} (errno {code})" if code else _first_line(e)
+    return f"{os.strerror(code)} (errno {code})" if code else first_line(e)
 
 
 class _QuietOrbaxSaveErrors(logging.Filter):
@@ -429,7 +425,7 @@ class Checkpointer:
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
-            raise CheckpointError(f"step {step}: its metadata cannot be read ({_first_line(e)})") from None
+            raise CheckpointError(f"step {step}: its metadata cannot be read ({first_line(e)})") from None
         manifest = _manifest(step, meta)
         _check_same_arrays(step, manifest, target)
         try:
@@ -438,7 +434,7 @@ class Checkpointer:
             )
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
             raise CheckpointError(
-                f"step {step} cannot be read (damaged or incomplete files): {_first_line(e)}"
+                f"step {step} cannot be read (damaged or incomplete files): {first_line(e)}"
             ) from None
         state = restored["state"]
         _verify_checksums(step, manifest, state)
@@ -492,10 +488,7 @@ def read_params(directory, step: int | None = None) -> Restored:
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         )
     except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointError(
-            f"checkpoint step {step} in {directory} cannot be read: {type(e).__name__}: {first}"
-        ) from None
+        raise CheckpointError(f"checkpoint step {step} in {directory} cannot be read: {first_line(e)}") from None
     finally:
         reader.close()
     params, meta = restored["state"]["params"], restored["meta"]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 
 from jaxmem.data import Batch, BPETokenizer
-from jaxmem.train._checkpoint import CheckpointError
+from jaxmem.train._checkpoint import Checkpointer, CheckpointError
 from jaxmem.train._state import TrainState
 
 __all__ = ["CheckpointHook", "Hook", "SampleLogHook", "StepInfo"]
@@ -77,8 +77,6 @@ class CheckpointHook(Hook):
         restore_step: int | None = None,
         log: Callable[[str], None] | None = None,
     ):
-        from jaxmem.train._checkpoint import Checkpointer
-
         self.log = log or (lambda line: None)
         self.checkpointer = Checkpointer(directory, every=every, keep=keep, log=self.log)
         self.restore_step = restore_step

@@ -155,6 +155,23 @@ class _StopRequests:
                 pass
         return self.reason is not None
 
+    def announce(self, step: int, config: TrainConfig, log) -> None:
+        """Say that a signal stopped the run at ``step`` and whether it is saved (after the loop)."""
+        if self.reason:
+            saved = "saving a checkpoint" if config.checkpoint_dir else "no --checkpoint-dir, so nothing is saved"
+            log(f"{self.reason}: stopping after step {step}/{config.steps}, {saved}")
+
+
+def _console_log(progress: bool):
+    """The run's stderr console and a ``log(line)`` printing plain lines to it (silent without
+    ``progress``)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not progress:
+        return console, lambda line: None
+    return console, lambda line: console.print(line, markup=False, highlight=False)
+
 
 class TrainingError(JaxmemError):
     """Training cannot go on (a non-finite loss); checkpoints of earlier steps are intact."""
@@ -202,11 +219,9 @@ def train(
         on_step: ``(state, loss)`` after every step (a shorthand for a hook).
         trainer: a trainer built for ``config`` (e.g. with your own optimizer); built when None.
     """
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    log = (lambda line: console.print(line, markup=False, highlight=False)) if progress else (lambda line: None)
+    console, log = _console_log(progress)
     plan_record = None
     if config.plan == "auto":
         config, plan_record = apply_plan(config, log=log)
@@ -303,9 +318,7 @@ def train(
                 log(f"step {state.step}/{config.steps}  {text}  {median}")
             if stop.requested(state.step):
                 break
-        if stop.reason:
-            saved = "saving a checkpoint" if config.checkpoint_dir else "no --checkpoint-dir, so nothing is saved"
-            log(f"{stop.reason}: stopping after step {state.step}/{config.steps}, {saved}")
+        stop.announce(state.step, config, log)
         for hook in hooks:  # inside the handlers: a preemption during the final save waits for it
             hook.on_end(trainer, state)
     run_seconds = time.perf_counter() - (run_start or start)
