@@ -9,14 +9,18 @@ When the virtual devices share fewer CPU cores, ``jaxmem.memory.estimate`` (and 
     (step_flops + ticks x tick_flops) / rate + even + imbalance x excess
 
 with ``ticks``, ``even`` and ``excess`` from ``jaxmem.memory.shared_core_terms`` (the lockstep
-schedule and FLOP costs at the machine's calibrated ``rate``). This script measures the jitted training
-step of the tiny GPT (batch 32 x 64, save-all; median of ``--steps`` steps after two warm-up steps,
-the best of ``--rounds`` interleaved rounds) on the FIT configurations, fits the three constants by
-non-negative least squares, and reports the prediction error and Spearman rank correlation on the
-HOLDOUT configurations (other schedules, microbatch counts and meshes), with the fitted constants and
-with the ones the package ships (``jaxmem.memory.CPU_LOCKSTEP``). ``--measured RECORD`` re-fits an
-earlier record's measurements without measuring. Timings on this machine drift by up to a third
-between runs.
+schedule and the actions' costs at the machine's calibrated ``rate``). An action's cost is its FLOPs
+plus, for the residuals it stashes (F) or reads back (B), ``stash_flops_per_byte`` per byte: on
+XLA:CPU a saved residual costs more than its FLOPs -- measured here, recomputing everything is faster
+than saving everything on the tiny model --, so a model of FLOPs alone ranks the memory policies
+backwards. This script measures the jitted training step of the tiny GPT (batch 32 x 64; median of
+``--steps`` steps after two warm-up steps, the best of ``--rounds`` interleaved rounds) on the FIT
+configurations (schedules, meshes, microbatch counts and policies), fits the four constants (for each
+stash price on a log grid, non-negative least squares of the relative error of the other three; the
+best price wins), and reports the prediction error and Spearman rank correlation on the HOLDOUT
+configurations, with the fitted constants and with the ones the package ships
+(``jaxmem.memory.CPU_LOCKSTEP``). ``--measured RECORD`` re-fits an earlier record's measurements
+without measuring. Timings on this machine drift by up to a third between runs.
 """
 
 from __future__ import annotations
@@ -39,42 +43,54 @@ from jaxmem.memory import _cost as cost  # noqa: E402
 from jaxmem.memory import estimate, get_hardware, shared_core_terms  # noqa: E402
 from jaxmem.train import Trainer  # noqa: E402
 
-# (schedule, pipe P, data D, microbatches M, virtual V); 4 or 2 devices on this machine's cores.
+# (schedule, pipe P, data D, microbatches M, virtual V, policy); 4 or 2 devices on this machine's cores.
 FIT = [
-    ("1f1b", 4, 1, 4, None),
-    ("1f1b", 4, 1, 8, None),
-    ("1f1b", 4, 1, 32, None),
-    ("1f1b", 2, 2, 4, None),
-    ("1f1b", 2, 2, 8, None),
-    ("1f1b", 2, 1, 2, None),
-    ("zbv", 2, 2, 16, None),
+    ("1f1b", 4, 1, 4, None, "save-all"),
+    ("1f1b", 4, 1, 8, None, "save-all"),
+    ("1f1b", 4, 1, 32, None, "save-all"),
+    ("1f1b", 2, 2, 4, None, "save-all"),
+    ("1f1b", 2, 2, 8, None, "save-all"),
+    ("1f1b", 2, 1, 2, None, "save-all"),
+    ("zbv", 2, 2, 16, None, "save-all"),
+    ("1f1b", 2, 2, 4, None, "recompute-all"),
+    ("gpipe", 4, 1, 1, None, "save-all"),
+    ("gpipe", 4, 1, 1, None, "recompute-all"),
+    ("1f1b", 2, 1, 2, None, "selective"),
 ]
 HOLDOUT = [
-    ("gpipe", 4, 1, 8, None),
-    ("1f1b", 4, 1, 16, None),
-    ("interleaved-1f1b", 2, 1, 8, 2),
-    ("interleaved-1f1b", 4, 1, 32, 2),
-    ("zbv", 2, 2, 4, None),
-    ("1f1b", 2, 1, 8, None),
-    ("gpipe", 2, 2, 8, None),
+    ("gpipe", 4, 1, 8, None, "save-all"),
+    ("1f1b", 4, 1, 16, None, "save-all"),
+    ("interleaved-1f1b", 2, 1, 8, 2, "save-all"),
+    ("interleaved-1f1b", 4, 1, 32, 2, "save-all"),
+    ("zbv", 2, 2, 4, None, "save-all"),
+    ("1f1b", 2, 1, 8, None, "save-all"),
+    ("gpipe", 2, 2, 8, None, "save-all"),
+    ("1f1b", 4, 1, 8, None, "recompute-all"),
+    ("1f1b", 2, 2, 8, None, "selective"),
+    ("1f1b", 2, 1, 1, None, "save-all"),
 ]
 
 
-def config_of(schedule, pipe, data, microbatches, virtual, batch=32, seq=64) -> TrainConfig:
+def config_of(schedule, pipe, data, microbatches, virtual, policy="save-all", batch=32, seq=64) -> TrainConfig:
     return TrainConfig(
         schedule=schedule,
         stages=pipe,
         data_parallel=data,
         microbatches=microbatches,
         virtual=virtual,
+        policy=policy,
         batch_size=batch,
         seq_len=seq,
         steps=1,
     )
 
 
-def name_of(schedule, pipe, data, microbatches, virtual) -> str:
-    return f"{schedule} P={pipe} D={data} M={microbatches}" + (f" V={virtual}" if virtual else "")
+def name_of(schedule, pipe, data, microbatches, virtual, policy="save-all") -> str:
+    return (
+        f"{schedule} P={pipe} D={data} M={microbatches}"
+        + (f" V={virtual}" if virtual else "")
+        + ("" if policy == "save-all" else f" {policy}")
+    )
 
 
 def measured_step_seconds(config: TrainConfig, steps: int) -> float:
@@ -95,17 +111,19 @@ def measured_step_seconds(config: TrainConfig, steps: int) -> float:
     return float(np.median(times))
 
 
-def terms(config: TrainConfig, hardware) -> tuple[int, float, float]:
-    """The lockstep terms of a configuration on ``hardware`` (its FLOP costs, its cores)."""
+def terms(config: TrainConfig, hardware, stash_flops_per_byte: float) -> tuple[int, float, float]:
+    """The lockstep terms of a configuration on ``hardware`` (its FLOP costs, its cores), its stashed
+    bytes priced at ``stash_flops_per_byte`` (the one constant that enters the action costs)."""
     schedule = config.build_schedule()
+    lockstep = dataclasses.replace(hardware.lockstep, stash_flops_per_byte=stash_flops_per_byte)
     costs = estimate(
         config.build_model(),
         schedule,
-        "save-all",
+        config.policy or "save-all",
         batch=config.batch_size,
         seq=config.seq_len,
         data_parallel=config.data_parallel,
-        hardware=dataclasses.replace(hardware, cores=None),
+        hardware=dataclasses.replace(hardware, lockstep=lockstep),
         memory=False,
     ).costs
     return shared_core_terms(schedule, costs, config.data_parallel, hardware.cores)
@@ -121,18 +139,33 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def fit(rows, rate: float) -> tuple[float, float, float]:
-    """Non-negative least squares of measured - even = step/rate + ticks x tick/rate + imbalance x excess."""
+def row_terms(rows, hardware, stash_flops_per_byte: float) -> list:
+    return [terms(config_of(*r["spec"]), hardware, stash_flops_per_byte) for r in rows]
+
+
+def fit(rows, hardware) -> tuple[float, float, float, float]:
+    """The four constants: for each stash price on a log grid, non-negative least squares of the
+    relative residual of measured = step/rate + ticks x tick/rate + even + imbalance x excess; the
+    price with the least squared relative error wins."""
     from scipy.optimize import nnls
 
-    a = np.array([[1.0 / rate, r["terms"][0] / rate, r["terms"][2]] for r in rows])
-    b = np.array([r["measured_seconds"] - r["terms"][1] for r in rows])
-    (step_flops, tick_flops, imbalance), _ = nnls(a, b)
-    return float(step_flops), float(tick_flops), float(imbalance)
+    rate = hardware.flops_per_second
+    measured = np.array([r["measured_seconds"] for r in rows])
+    best = None
+    for price in [0.0, *np.geomspace(1.0, 1e3, 31)]:
+        t = row_terms(rows, hardware, price)
+        a = np.array([[1.0 / rate, ticks / rate, excess] for ticks, _, excess in t]) / measured[:, None]
+        b = (measured - np.array([even for _, even, _ in t])) / measured
+        (step_flops, tick_flops, imbalance), residual = nnls(a, b)
+        if best is None or residual < best[0]:
+            best = (residual, (float(step_flops), float(tick_flops), float(imbalance), float(price)))
+    return best[1]
 
 
-def evaluate(rows, rate: float, constants) -> dict:
-    predicted = [predict(r["terms"], rate, *constants) for r in rows]
+def evaluate(rows, hardware, constants) -> dict:
+    *lockstep, price = constants
+    rate = hardware.flops_per_second
+    predicted = [predict(t, rate, *lockstep) for t in row_terms(rows, hardware, price)]
     measured = [r["measured_seconds"] for r in rows]
     errors = [p / m - 1 for p, m in zip(predicted, measured)]
     return {
@@ -160,23 +193,24 @@ def main(argv=None):
     if args.measured:
         with open(args.measured) as f:
             earlier = json.load(f)
+        if any("spec" not in r for r in earlier["rows"]):
+            parser.error(f"{args.measured} predates the stash-price fit (its rows have no 'spec'); measure again")
         hardware = dataclasses.replace(hardware, peak_flops=earlier["hardware"]["peak_flops"], efficiency=1.0)
         rows = {r["config"]: r for r in earlier["rows"]}
-    rate = hardware.flops_per_second
     for round_ in range(0 if args.measured else args.rounds):
         for group, configs in (("fit", FIT), ("holdout", HOLDOUT)):
             for c in configs:
                 name = name_of(*c)
-                config = config_of(*c)
-                seconds = measured_step_seconds(config, args.steps)
-                row = rows.setdefault(name, {"config": name, "group": group, "terms": terms(config, hardware)})
+                seconds = measured_step_seconds(config_of(*c), args.steps)
+                row = rows.setdefault(name, {"config": name, "group": group, "spec": list(c)})
                 row.setdefault("measured_per_round", []).append(seconds)
                 row["measured_seconds"] = min(row["measured_per_round"])
-                print(f"round {round_}: {name:34s} {seconds:.3f} s/step", file=sys.stderr, flush=True)
+                print(f"round {round_}: {name:40s} {seconds:.3f} s/step", file=sys.stderr, flush=True)
     fit_rows = [r for r in rows.values() if r["group"] == "fit"]
     hold_rows = [r for r in rows.values() if r["group"] == "holdout"]
-    fitted = fit(fit_rows, rate)
+    fitted = fit(fit_rows, hardware)
     shipped = dataclasses.astuple(cost.CPU_LOCKSTEP)
+    names = ("step_flops", "tick_flops", "imbalance", "stash_flops_per_byte")
     record = {
         "benchmark": "plan_ranking",
         "model": "tiny",
@@ -185,12 +219,12 @@ def main(argv=None):
         "cpu_count": os.cpu_count(),
         "hardware": hardware.to_json(),
         "rows": list(rows.values()),
-        "fitted": dict(zip(("step_flops", "tick_flops", "imbalance"), fitted)),
-        "shipped": dict(zip(("step_flops", "tick_flops", "imbalance"), shipped)),
-        "fit_with_fitted": evaluate(fit_rows, rate, fitted),
-        "holdout_with_fitted": evaluate(hold_rows, rate, fitted),
-        "holdout_with_shipped": evaluate(hold_rows, rate, shipped),
-        "all_with_shipped": evaluate(fit_rows + hold_rows, rate, shipped),
+        "fitted": dict(zip(names, fitted)),
+        "shipped": dict(zip(names, shipped)),
+        "fit_with_fitted": evaluate(fit_rows, hardware, fitted),
+        "holdout_with_fitted": evaluate(hold_rows, hardware, fitted),
+        "holdout_with_shipped": evaluate(hold_rows, hardware, shipped),
+        "all_with_shipped": evaluate(fit_rows + hold_rows, hardware, shipped),
     }
     if args.out:
         with open(args.out, "w") as f:
@@ -198,12 +232,15 @@ def main(argv=None):
     if args.json:
         print(json.dumps(record, indent=2))
     else:
-        step, tick, imbalance = fitted
-        print(f"fitted: Lockstep(step_flops={step:.3g}, tick_flops={tick:.3g}, imbalance={imbalance:.2f})")
+        step, tick, imbalance, price = fitted
+        print(
+            f"fitted: Lockstep(step_flops={step:.3g}, tick_flops={tick:.3g}, imbalance={imbalance:.2f}, "
+            f"stash_flops_per_byte={price:.3g})"
+        )
         shipped_rows = record["all_with_shipped"]["predicted_seconds"]
         for row, predicted in zip(fit_rows + hold_rows, shipped_rows):
             print(
-                f"{row['group']:8s} {row['config']:34s} measured {row['measured_seconds']:.3f} s  "
+                f"{row['group']:8s} {row['config']:40s} measured {row['measured_seconds']:.3f} s  "
                 f"predicted (shipped) {predicted:.3f} s  ({predicted / row['measured_seconds'] - 1:+.0%})"
             )
         for key in ("fit_with_fitted", "holdout_with_fitted", "holdout_with_shipped"):

@@ -83,6 +83,33 @@ def max_depth(base, method, args, hardware, floor=None):
     return layers, score(base, layers, schedule_name, virtual, policy, args, hardware)
 
 
+def _deepest_above_floor(base, method, args, hardware, floor, layers, cand):
+    """From the memory limit ``layers`` (scored ``cand``) down: the deepest multiple of P whose
+    per-layer throughput is >= ``floor``, found with strides of 4P and refined in steps of P."""
+    _, schedule_name, virtual, policy = method
+    step = args.pipe
+
+    def ok(c, k):
+        return c is not None and c.fits and c.tokens_per_second * k >= floor
+
+    if ok(cand, layers):
+        return layers, cand
+    above = layers
+    while layers > 0:
+        layers = max(layers - 4 * step, 0)
+        cand = score(base, layers, schedule_name, virtual, policy, args, hardware) if layers else None
+        if ok(cand, layers):
+            break
+        above = layers
+    if not layers:
+        return 0, None
+    for k in range(above - step, layers, -step):  # deepest first between the stride's two ends
+        c = score(base, k, schedule_name, virtual, policy, args, hardware)
+        if ok(c, k):
+            return k, c
+    return layers, cand
+
+
 def validate_on_cpu(args):
     """Ledger vs memory_analysis() on depths of a narrow GPT (the tiny preset's width) that compile here."""
     from jaxmem.config import TrainConfig
@@ -166,11 +193,9 @@ def main(argv=None):
         if method[1] == "chronos" and floor is not None:
             # ChronosPipe's claim is depth at comparable throughput: the deepest fitting depth whose
             # per-layer throughput stays >= the floor (throughput is not monotone in depth: the head is
-            # amortised as depth grows, recompute grows with it), scanning down from the memory limit.
-            step = args.pipe
-            while layers > 0 and cand.tokens_per_second * layers < floor:
-                layers -= step
-                cand = score(base, layers, method[1], method[2], method[3], args, hardware) if layers else None
+            # amortised as depth grows, recompute grows with it), scanning down from the memory limit
+            # in strides of 4P, then back up in steps of P to the deepest that keeps the floor.
+            layers, cand = _deepest_above_floor(base, method, args, hardware, floor, layers, cand)
         throughput = cand.tokens_per_second * layers if cand else 0.0
         results.append(
             {

@@ -33,6 +33,8 @@ CASES = [
     (["train", "--budget", "1GiB"], "drop --budget"),
     (["train", "--seq-len-schedule", "8,16"], "add --adaptive"),
     (["train", "--adaptive", "--budget", "1GiB", "--run-dir", "x"], "drop --run-dir or --adaptive"),
+    (["roam", "analyze", "--loss-chunks", "5", "--seq-len", "32"], "pick --loss-chunks dividing --seq-len"),
+    (["roam", "analyze", "--accumulate", "2", "--loss-chunks", "2"], "give one of them"),
 ]
 
 

@@ -161,6 +161,78 @@ def test_plan_agrees_with_brute_force(cpu):
     assert result.best.tokens_per_second == pytest.approx(best.tokens_per_second)
 
 
+def test_the_cpu_profile_ranks_three_configurations_in_measured_order(cpu):
+    """#16: ``--plan auto`` on this machine orders configurations as they run. The three differ in
+    what the CPU step model must price: bubbles on shared cores (M=1) and stashing (on XLA:CPU saving
+    every residual is slower than recomputing it, which a FLOP-only model ranks backwards)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from jaxmem.config import TrainConfig
+    from jaxmem.memory import estimate
+    from jaxmem.train import Trainer
+
+    configs = [
+        TrainConfig(schedule="1f1b", stages=2, data_parallel=2, microbatches=4, policy="recompute-all", steps=1),
+        TrainConfig(schedule="gpipe", stages=4, microbatches=1, policy="recompute-all", steps=1),
+        TrainConfig(schedule="1f1b", stages=2, microbatches=1, policy="save-all", steps=1),
+    ]
+    predicted = [
+        estimate(
+            c.build_model(),
+            c.build_schedule(),
+            c.policy,
+            batch=c.batch_size,
+            seq=c.seq_len,
+            data_parallel=c.data_parallel,
+            hardware=cpu,
+            memory=False,
+        ).step_seconds
+        for c in configs
+    ]
+    assert np.argsort(predicted).tolist() == [0, 1, 2], predicted
+    steps = []
+    for c in configs:
+        trainer = Trainer(c)
+        state = trainer.init_state()
+        batch = trainer.put_batch(state.data.next()[0])
+        steps.append([trainer.step_fn, state.params, state.opt_state, batch])
+    measured = [[] for _ in configs]
+    for _ in range(3):  # interleaved rounds: drift on this machine hits every configuration alike
+        for i, entry in enumerate(steps):
+            fn, params, opt_state, batch = entry
+            for k in range(3):
+                start = time.perf_counter()
+                params, opt_state, metrics = fn(params, opt_state, batch)
+                jax.block_until_ready(metrics["loss"])
+                if k:
+                    measured[i].append(time.perf_counter() - start)
+            entry[1:3] = params, opt_state
+    measured = [float(np.median(m)) for m in measured]
+    assert np.argsort(measured).tolist() == [0, 1, 2], (measured, predicted)
+
+
+def test_chronos_both_is_never_slower_than_its_recompute_only_subset():
+    """All moves together were once slower than the recompute moves alone (gpt2-xl width, 400 layers,
+    40 GiB: the greedy order of moves is priced on one typical stage); the combined generator now
+    also tries its subsets."""
+    import dataclasses
+
+    from jaxmem.models import get_config
+
+    layers, hardware = 400, get_hardware("h100")
+    config = dataclasses.replace(get_config("gpt2-xl"), dtype="bfloat16", n_layers=layers)
+    schedule = generate("chronos", 8, 32)
+    counts = [layers // 16 + (1 if s < layers % 16 else 0) for s in range(16)]
+    kw = dict(budget=40 * 2**30, batch=32, seq=1024, data=1, hardware=hardware, layer_counts=counts)
+    both = evaluate(config, schedule, "chronos-both", **kw)
+    recomp = evaluate(config, schedule, "chronos-recomp", **kw)
+    assert both.fits and recomp.fits
+    assert both.step_seconds <= recomp.step_seconds * (1 + 1e-9), (both.note, recomp.note)
+
+
 def test_infeasible_budget_names_the_smallest_that_fits(capsys):
     from jaxmem.cli import main
 

@@ -12,10 +12,15 @@ examples:
   jaxmem roam analyze --model gpt2-xl --batch 4 --seq-len 1024 --json   # traced abstractly, never allocated
   jaxmem roam analyze --model llama-tiny
   jaxmem roam analyze --model experts --batch 1024      # a multi-branch (parallel experts) model
+  jaxmem roam analyze --accumulate 4                    # gradient accumulation written as a loop: order matters
+  jaxmem roam analyze --model gpt2-small --loss-chunks 16 --seq-len 1024   # chunked loss head
 
-Baselines: program order with a PyTorch-like caching allocator (the eager framework), program order
-with perfect packing (peak live bytes), XLA's memory_analysis() (when compiled: by default for tiny,
-llama-tiny and experts; --compile yes/no to force). The planner is our reconstruction of ROAM: see the README."""
+Reported apart: the order gain (program order's peak minus the planned peak, both perfectly packed)
+and the layout gain (the caching allocator's smallest device for the planned order minus the planned
+arena). Baselines: program order with a PyTorch-like caching allocator (the eager framework:
+allocated, reserved, and the smallest device it runs on, releasing its cache before it gives up),
+XLA's memory_analysis() (when compiled: by default for tiny, llama-tiny and experts; --compile yes/no
+to force). The planner is our reconstruction of ROAM plus list schedules: see the README."""
 
 
 def add_parser(sub) -> None:
@@ -36,6 +41,18 @@ def add_parser(sub) -> None:
     a.add_argument("--batch", type=positive_int, help="batch size (default 4; 1024 for experts)")
     a.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's maximum)")
     a.add_argument(
+        "--accumulate",
+        type=positive_int,
+        metavar="N",
+        help="the step accumulates gradients over N microbatches of --batch, written as a Python loop",
+    )
+    a.add_argument(
+        "--loss-chunks",
+        type=positive_int,
+        metavar="N",
+        help="the step computes its loss head over N sequence chunks (chunked cross-entropy)",
+    )
+    a.add_argument(
         "--compile",
         choices=["auto", "yes", "no"],
         default="auto",
@@ -47,10 +64,28 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from jaxmem.roam import analyze_step, experts_train_step, model_train_step
+    from jaxmem._errors import JaxmemError
+    from jaxmem.roam import (
+        accumulated_train_step,
+        analyze_step,
+        chunked_loss_train_step,
+        experts_train_step,
+        model_train_step,
+    )
 
+    if args.accumulate and args.loss_chunks:
+        raise JaxmemError("--accumulate and --loss-chunks are separate examples: give one of them")
     if args.model == "experts":
+        if args.accumulate or args.loss_chunks:
+            raise JaxmemError("--accumulate and --loss-chunks apply to language models, not to --model experts")
         step = experts_train_step(batch=args.batch or 1024)
+    elif args.accumulate:
+        step = accumulated_train_step(args.model, microbatches=args.accumulate, batch=args.batch or 4, seq=args.seq_len)
+    elif args.loss_chunks:
+        try:
+            step = chunked_loss_train_step(args.model, chunks=args.loss_chunks, batch=args.batch or 4, seq=args.seq_len)
+        except ValueError as e:
+            raise JaxmemError(f"{e}: pick --loss-chunks dividing --seq-len") from None
     else:
         step = model_train_step(args.model, batch=args.batch or 4, seq=args.seq_len)
     small = ("tiny", "llama-tiny", "experts")
@@ -61,15 +96,17 @@ def run(args) -> int:
         return 0
     mib = lambda b: "-" if b is None else f"{b / 2**20:,.2f} MiB"  # noqa: E731
     print(f"{record['name']}: {record['ops']:,} ops, {record['tensors']:,} tensors")
-    print(f"  program order + caching allocator (eager)  {mib(record['program_order_caching_allocator_bytes'])}")
+    print(f"  program order + caching allocator: allocated {mib(record['program_order_caching_allocated_bytes'])}, "
+          f"reserved {mib(record['program_order_caching_allocator_bytes'])}, "
+          f"runs on {mib(record['program_order_caching_capacity_bytes'])}")  # fmt: skip
     print(f"  program order, perfect packing (peak live) {mib(record['program_order_peak_bytes'])}")
     print(f"  XLA memory_analysis()                      {mib(record['xla_bytes'])}")
-    print(f"  planned order: peak live                   {mib(record['planned_peak_bytes'])}")
-    print(f"  planned order: arena (greedy-by-size)      {mib(record['planned_arena_greedy_bytes'])}")
-    print(f"  planned order: arena (improved)            {mib(record['planned_arena_bytes'])}")
-    base = record["program_order_caching_allocator_bytes"]
+    planned = mib(record["planned_peak_bytes"])
+    print(f"  planned order: peak live                   {planned}  ({record['order_method']})")
+    print(f"  planned order + caching allocator runs on  {mib(record['planned_caching_capacity_bytes'])}")
+    print(f"  planned order: arena (improved layout)     {mib(record['planned_arena_bytes'])}")
     print(
-        f"  arena vs eager: {1 - record['planned_arena_bytes'] / base:+.1%} less; planned in "
-        f"{record['planner_seconds']:.1f}s ({record['tasks']} tasks, {record['cones']} sink cones)"
+        f"  order gain {record['order_gain']:.1%} ({mib(record['order_gain_bytes'])}); layout gain "
+        f"{record['layout_gain']:.1%} ({mib(record['layout_gain_bytes'])}); planned in {record['planner_seconds']:.1f}s"
     )
     return 0

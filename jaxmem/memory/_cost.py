@@ -13,10 +13,13 @@ its busy ranks' work spread over the cores, plus a part (``imbalance``) of the e
 action over that even share (an idle device's core only partly helps a busy one), plus a fixed cost
 (the rank's switch dispatch and the activation/gradient exchange) of ``tick_flops``
 FLOP-equivalents; a step adds ``step_flops`` (the update, dispatch and host round trip)
-(:func:`shared_core_step_seconds`). The constants (:class:`Lockstep`) depend on how the devices are
-spread over processes, so there are two sets, both fitted on the 2-core development machine:
-``CPU_LOCKSTEP`` for one process with virtual devices (``jaxmem train``), fitted by
-``benchmarks/plan_ranking.py`` on seven configurations and checked on seven it did not see;
+(:func:`shared_core_step_seconds`); each byte an F stashes for its B costs ``stash_flops_per_byte``
+more, half in each (on XLA:CPU saving residuals costs more than their FLOPs: without this term the
+model ranked recompute-all slower than save-all, which it is not here). The constants
+(:class:`Lockstep`) depend on how the devices are spread over processes, so there are two sets, both
+fitted on the 2-core development machine: ``CPU_LOCKSTEP`` for one process with virtual devices
+(``jaxmem train``), fitted by ``benchmarks/plan_ranking.py`` on eleven configurations (schedules,
+meshes, microbatch counts, policies) and checked on ten it did not see;
 ``CPU_LOCKSTEP_PROCESSES`` for one process per rank exchanging over gloo (``jaxmem launch``), whose
 tick costs twenty times more, fitted from failure-free runs of ``benchmarks/elastic.py`` (the tiny
 model, 1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2).
@@ -39,11 +42,14 @@ class Lockstep:
     step_flops: float  # fixed cost of one step
     tick_flops: float  # fixed cost of one lockstep tick
     imbalance: float  # weight of a tick's longest-action excess over the even split of its work
+    # cost of one residual byte kept from F to B (packed, written and read back; and on XLA:CPU the
+    # unfused forward that materialises it), half charged to the F that stashes it, half to the B
+    stash_flops_per_byte: float = 0.0
 
 
-# Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json); an imbalance above 1
-# says a busy rank's excess costs more than its FLOPs alone (its thread pool runs on fewer cores).
-CPU_LOCKSTEP = Lockstep(step_flops=2.3e9, tick_flops=3.6e7, imbalance=1.8)
+# Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json): a stashed byte costs
+# about 79 FLOPs here -- on XLA:CPU saving every residual is slower than recomputing it.
+CPU_LOCKSTEP = Lockstep(step_flops=1.1e8, tick_flops=4.5e7, imbalance=0.77, stash_flops_per_byte=79.0)
 # Fitted from failure-free runs of benchmarks/elastic.py (one process per rank, gloo exchanges).
 CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=0.0, tick_flops=0.73e9, imbalance=0.7)
 
@@ -186,11 +192,17 @@ def step_costs(
             cache[key] = (f.recompute_flops / rate, f.stash_bytes("device"), f.stash_bytes("host"))
         return cache[key]
 
+    # On shared CPU cores, stashing costs time beyond FLOPs (the Lockstep constants; none on accelerators).
+    per_byte = hardware.lockstep.stash_flops_per_byte / rate if hardware.cores else 0.0
+
     def extra(action: Action) -> float:
+        recompute, device, host = cell(action.stage, action.microbatch)
+        traffic = per_byte * (device + host) / 2
         if action.kind is Kind.F:
-            return 0.0
-        recompute = cell(action.stage, action.microbatch)[0]
-        return recompute + (excess[action.stage] if action.kind is Kind.B else excess[action.stage] / 2)
+            return traffic
+        if action.kind is Kind.B:
+            return recompute + excess[action.stage] + traffic
+        return recompute + (excess[action.stage] + traffic) / 2
 
     any_host = any(
         resolved.stage_policy(s, m).offload or resolved.stage_policy(s, m).offload_stash

@@ -187,7 +187,9 @@ class AdaptiveProfiler:
         self.programs: dict[tuple, _Program] = {}
         self.records: list[SignatureRecord] = []
         self.compile_count = 0
-        self.compile_seconds: list[float] = []
+        self.compile_seconds: list[float] = []  # every compile, foreground and background
+        self.background_compile_seconds: list[float] = []  # the exploring ones (off the step's path)
+        self.last_policy: str | None = None  # the policy of the program the last step ran
         self.overhead_seconds = 0.0
         self.calls = 0
         self.explore, self.horizon, self.payback = explore, horizon, payback
@@ -285,13 +287,15 @@ class AdaptiveProfiler:
     def _batch_spec(self, batch) -> dict:
         return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
 
-    def _compile(self, pipeline, batch, abstract_state: tuple):
+    def _compile(self, pipeline, batch, abstract_state: tuple, *, background: bool = False):
         start = time.perf_counter()
         spec = self._batch_spec(batch)
         step = self.build_step(pipeline, spec)
         compiled = step.lower(*abstract_state, spec).compile()
         self.compile_count += 1
         self.compile_seconds.append(time.perf_counter() - start)
+        if background:
+            self.background_compile_seconds.append(self.compile_seconds[-1])
         return compiled
 
     def _adapt(self, sig: tuple, batch, drop_layers, state) -> _Program:
@@ -381,6 +385,7 @@ class AdaptiveProfiler:
             probe = None  # still compiling, or dropped
         probing = probe is not None and len(probe.times) < PROBE_STEPS
         run = probe.future.result()[0] if probing else program.step
+        self.last_policy = probe.policy if probing else program.policy
         start = time.perf_counter()
         params, opt_state, loss = run(state.params, state.opt_state, batch)
         if isinstance(loss, dict):  # a step that returns metrics beside the loss
@@ -464,7 +469,7 @@ class AdaptiveProfiler:
         spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
         def build():
-            compiled = self._compile(pipeline, spec, abstract_state)
+            compiled = self._compile(pipeline, spec, abstract_state, background=True)
             return compiled, self._compiled_bytes(compiled, pipeline, spec)
 
         if self._pool is None:
@@ -528,6 +533,7 @@ class AdaptiveProfiler:
             "compiles": self.compile_count,
             "calls": self.calls,
             "compile_seconds": list(self.compile_seconds),
+            "background_compile_seconds": list(self.background_compile_seconds),
             "profiler_overhead_seconds": self.overhead_seconds,
             "margin": self.margin,
             "time_correction": dict(self.correction),

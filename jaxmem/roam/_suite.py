@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxmem.models import get_model, make_batch
 
-__all__ = ["TrainStep", "experts_train_step", "model_train_step"]
+__all__ = ["TrainStep", "accumulated_train_step", "chunked_loss_train_step", "experts_train_step", "model_train_step"]
 
 
 @dataclasses.dataclass
@@ -72,6 +72,60 @@ def model_train_step(model="tiny", *, batch: int = 4, seq: int | None = None) ->
     return _adam_step(
         loss_of, params, (tokens, tokens), f"{model.name} train step (batch {batch}, seq {seq})", model.init
     )
+
+
+def accumulated_train_step(model="tiny", *, microbatches: int = 4, batch: int = 4, seq: int | None = None) -> TrainStep:
+    """Gradient accumulation as a user writes it without a scan: the mean of ``microbatches`` losses,
+    one per slice of the batch, in a Python loop, differentiated as one function. Program order runs
+    every microbatch's forward before any backward, so all their activations are alive at once; an
+    order that finishes one microbatch's backward before the next forward needs one's."""
+    model = get_model(model)
+    seq = seq or model.max_seq_len or 64
+    model.check_batch(seq)
+    params = model.abstract_params()
+    tokens = jax.ShapeDtypeStruct((batch * microbatches, seq), jnp.int32)
+
+    def loss_of(p, tokens, targets):
+        parts = [
+            model.plain_loss(p, make_batch(tokens[i * batch : (i + 1) * batch], targets[i * batch : (i + 1) * batch]))
+            for i in range(microbatches)
+        ]
+        return sum(parts) / microbatches
+
+    name = f"{model.name} accumulated x{microbatches} (batch {batch} each, seq {seq})"
+    return _adam_step(loss_of, params, (tokens, tokens), name, model.init)
+
+
+def chunked_loss_train_step(model="tiny", *, chunks: int = 8, batch: int = 4, seq: int | None = None) -> TrainStep:
+    """The loss head over sequence chunks (the vocabulary-sized logits of one chunk at a time, as
+    chunked cross-entropy does), written as a sum over chunks. Program order computes every chunk's
+    logits before any chunk's backward; an order that finishes one chunk's head backward before the
+    next chunk's logits keeps one chunk's logits alive instead of all."""
+    model = get_model(model)
+    seq = seq or model.max_seq_len or 64
+    model.check_batch(seq)
+    if seq % chunks:
+        raise ValueError(f"seq {seq} is not divisible by chunks {chunks}")
+    params = model.abstract_params()
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    width = seq // chunks
+
+    def loss_of(p, tokens, targets):
+        layers, shared = model.split(p)
+        full = make_batch(tokens, targets)
+        x = model.embed(shared, full)
+        for layer_params in layers:
+            x = model.layer(layer_params, x, full)
+        total = weight = 0.0
+        for c in range(chunks):
+            part = slice(c * width, (c + 1) * width)
+            chunk = make_batch(tokens[:, part], targets[:, part])
+            loss_sum, w = model.head_loss(shared, jax.tree.map(lambda a, part=part: a[:, part], x), chunk)
+            total, weight = total + loss_sum, weight + w
+        return total / weight
+
+    name = f"{model.name} chunked loss x{chunks} (batch {batch}, seq {seq})"
+    return _adam_step(loss_of, params, (tokens, tokens), name, model.init)
 
 
 class Experts(nnx.Module):

@@ -196,18 +196,9 @@ def evaluate(
 
     note = ""
     if policy_name in CHRONOS_MOVES:
-        moves = chronos_moves(
-            model,
-            schedule,
-            counts,
-            microbatch=mb,
-            seq=seq,
-            hardware=hardware,
-            allowed=CHRONOS_MOVES[policy_name],
-            facts=facts,
-        )
         last = schedule.num_stages - 1
         save_all = PRESETS["save-all"].bind(model.tags)
+        base_costs = run("save-all").costs
 
         def round_trip(s, m):
             stash = facts.stage(
@@ -220,20 +211,39 @@ def evaluate(
                 model, schedule, policy, batch=batch, seq=seq, data_parallel=data, layer_counts=counts, facts=facts
             ).max_device_bytes
 
-        choice = chronos_policy(
-            schedule,
-            device_bytes,
-            budget,
-            run("save-all").costs,
-            moves,
-            stash_seconds_round_trip=round_trip,
-            name=policy_name,
-        )
+        def generate(allowed):
+            moves = chronos_moves(
+                model, schedule, counts, microbatch=mb, seq=seq, hardware=hardware, allowed=allowed, facts=facts
+            )
+            choice = chronos_policy(
+                schedule,
+                device_bytes,
+                budget,
+                base_costs,
+                moves,
+                stash_seconds_round_trip=round_trip,
+                name=policy_name,
+            )
+            return choice, run(choice.policy)
+
+        # The greedy order of moves is priced on one typical stage, so all moves together can end
+        # slower than a subset of them: the combined generator also tries its recompute-only and
+        # offload-only subsets and keeps the fastest choice that fits (the smallest when none does).
+        subsets = [CHRONOS_MOVES[policy_name]]
+        if policy_name == "chronos-both":
+            subsets += [CHRONOS_MOVES["chronos-recomp"], CHRONOS_MOVES["chronos-offload"]]
+        tried = [generate(allowed) for allowed in subsets]
+
+        def rank(t):  # fitting first, fastest; else smallest
+            fits = t[1].device_bytes <= budget
+            return (not fits, t[1].step_seconds if fits else t[1].device_bytes)
+
+        choice, result = min(tried, key=rank)
         policy = choice.policy
         note = choice.describe()
     else:
         policy = from_spec(policy_name)
-    result = run(policy)
+        result = run(policy)
     return Candidate(
         schedule=schedule.name,
         virtual=schedule.num_stages // schedule.num_ranks if schedule.num_stages > schedule.num_ranks else None,
