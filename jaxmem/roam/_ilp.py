@@ -10,7 +10,10 @@ best solution so far (if any) and the solver's lower bound, so a heuristic can b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
 import time
 
 import numpy as np
@@ -28,6 +31,20 @@ class IlpResult:
     seconds: float
     optimal: bool
     bound: float | None = None  # the solver's proven lower bound on the arena (time-limited runs)
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS writes progress lines to file descriptor 1 even with ``disp`` off, into a caller's JSON."""
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def solve_ilp(graph: Graph, time_limit: float = 60.0) -> IlpResult:
@@ -117,13 +134,14 @@ def solve_ilp(graph: Graph, time_limit: float = 60.0) -> IlpResult:
     from scipy.sparse import csr_array
 
     matrix = csr_array((entries_v, (entries_r, entries_c)), shape=(len(lo), nv))
-    result = milp(
-        c,
-        constraints=LinearConstraint(matrix, lo, hi),
-        integrality=integrality,
-        bounds=Bounds(lb, ub),
-        options={"time_limit": time_limit, "disp": False},
-    )
+    with _quiet_stdout():
+        result = milp(
+            c,
+            constraints=LinearConstraint(matrix, lo, hi),
+            integrality=integrality,
+            bounds=Bounds(lb, ub),
+            options={"time_limit": time_limit, "disp": False},
+        )
     seconds = time.perf_counter() - start
     bound = getattr(result, "mip_dual_bound", None)
     # In bytes; less the rounding of every size, so it bounds the unrounded problem too.
