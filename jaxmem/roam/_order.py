@@ -288,22 +288,15 @@ def _list_schedule(graph: Graph, base: list[int]) -> list[int]:
     for op in graph.ops:
         for p in graph.predecessors(op):
             successors[p].add(op.index)
-    ready = [(rank[o], o) for o in range(graph.num_ops) if waiting[o] == 0]
+    ready = [(rank[o], o) for o in range(graph.num_ops) if waiting[o] == 0]  # a heap; done entries linger
     heapq.heapify(ready)
-    releasing: set[int] = set()  # ready ops last seen to free at least what they allocate
+    releasing: set[int] = set()  # ready ops that free at least what they allocate
     out_bytes = [sum(graph.sizes[t] for t in op.outputs) for op in graph.ops]
-
-    def net(o: int) -> int:
-        return out_bytes[o] - state.freed_by(o)
-
-    for o in list(o for _, o in ready):
-        if net(o) <= 0:
-            releasing.add(o)
     done = [False] * graph.num_ops
     while len(state.order) < graph.num_ops:
-        # A ready op's release can only grow as other consumers of its inputs run: re-check them.
+        # A ready op frees more as the other readers of its inputs run (never less): check them all.
         for _, o in ready:
-            if not done[o] and o not in releasing and net(o) <= 0:
+            if not done[o] and o not in releasing and out_bytes[o] <= state.freed_by(o):
                 releasing.add(o)
         if releasing:
             o = min(releasing, key=lambda x: rank[x])
@@ -318,10 +311,6 @@ def _list_schedule(graph: Graph, base: list[int]) -> list[int]:
             waiting[s] -= 1
             if waiting[s] == 0:
                 heapq.heappush(ready, (rank[s], s))
-                if net(s) <= 0:
-                    releasing.add(s)
-        while ready and done[ready[0][1]]:
-            heapq.heappop(ready)
     return state.order
 
 

@@ -57,13 +57,19 @@ def _adam_step(loss_of, params, batch_args, name: str, init_params) -> TrainStep
     return TrainStep(name, step, (params, opt_state, *batch_args), donated, make_args)
 
 
-def model_train_step(model="tiny", *, batch: int = 4, seq: int | None = None) -> TrainStep:
-    """The plain (unpipelined) train step of a model (a preset name, config or StagedModel) with Adam,
-    traced with abstract arrays."""
+def _language_model(model, seq):
+    """The model (preset name, config or StagedModel), its sequence length (default: its maximum, or
+    64), checked, and its abstract parameters."""
     model = get_model(model)
     seq = seq or model.max_seq_len or 64
     model.check_batch(seq)
-    params = model.abstract_params()
+    return model, seq, model.abstract_params()
+
+
+def model_train_step(model="tiny", *, batch: int = 4, seq: int | None = None) -> TrainStep:
+    """The plain (unpipelined) train step of a model (a preset name, config or StagedModel) with Adam,
+    traced with abstract arrays."""
+    model, seq, params = _language_model(model, seq)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def loss_of(p, tokens, targets):
@@ -79,10 +85,7 @@ def accumulated_train_step(model="tiny", *, microbatches: int = 4, batch: int = 
     one per slice of the batch, in a Python loop, differentiated as one function. Program order runs
     every microbatch's forward before any backward, so all their activations are alive at once; an
     order that finishes one microbatch's backward before the next forward needs one's."""
-    model = get_model(model)
-    seq = seq or model.max_seq_len or 64
-    model.check_batch(seq)
-    params = model.abstract_params()
+    model, seq, params = _language_model(model, seq)
     tokens = jax.ShapeDtypeStruct((batch * microbatches, seq), jnp.int32)
 
     def loss_of(p, tokens, targets):
@@ -101,12 +104,9 @@ def chunked_loss_train_step(model="tiny", *, chunks: int = 8, batch: int = 4, se
     chunked cross-entropy does), written as a sum over chunks. Program order computes every chunk's
     logits before any chunk's backward; an order that finishes one chunk's head backward before the
     next chunk's logits keeps one chunk's logits alive instead of all."""
-    model = get_model(model)
-    seq = seq or model.max_seq_len or 64
-    model.check_batch(seq)
+    model, seq, params = _language_model(model, seq)
     if seq % chunks:
         raise ValueError(f"seq {seq} is not divisible by chunks {chunks}")
-    params = model.abstract_params()
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     width = seq // chunks
 

@@ -211,16 +211,24 @@ def evaluate(
                 model, schedule, policy, batch=batch, seq=seq, data_parallel=data, layer_counts=counts, facts=facts
             ).max_device_bytes
 
+        all_moves = chronos_moves(
+            model,
+            schedule,
+            counts,
+            microbatch=mb,
+            seq=seq,
+            hardware=hardware,
+            allowed=CHRONOS_MOVES[policy_name],
+            facts=facts,
+        )
+
         def generate(allowed):
-            moves = chronos_moves(
-                model, schedule, counts, microbatch=mb, seq=seq, hardware=hardware, allowed=allowed, facts=facts
-            )
             choice = chronos_policy(
                 schedule,
                 device_bytes,
                 budget,
                 base_costs,
-                moves,
+                [m for m in all_moves if m.name in allowed],
                 stash_seconds_round_trip=round_trip,
                 name=policy_name,
             )
