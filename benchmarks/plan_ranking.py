@@ -123,6 +123,7 @@ def terms(config: TrainConfig, hardware, stash_flops_per_byte: float) -> tuple[i
         batch=config.batch_size,
         seq=config.seq_len,
         data_parallel=config.data_parallel,
+        layer_counts=config.layers_per_stage,
         hardware=dataclasses.replace(hardware, lockstep=lockstep),
         memory=False,
     ).costs
@@ -176,6 +177,16 @@ def evaluate(rows, hardware, constants) -> dict:
     }
 
 
+def write_record(record: dict, out: str | None, as_json: bool) -> bool:
+    """Write ``record`` to ``out`` (if given) and print it as JSON when asked; True if printed."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(record, f, indent=2)
+    if as_json:
+        print(json.dumps(record, indent=2))
+    return as_json
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration (median)")
@@ -226,12 +237,7 @@ def main(argv=None):
         "holdout_with_shipped": evaluate(hold_rows, hardware, shipped),
         "all_with_shipped": evaluate(fit_rows + hold_rows, hardware, shipped),
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-    if args.json:
-        print(json.dumps(record, indent=2))
-    else:
+    if not write_record(record, args.out, args.json):
         step, tick, imbalance, price = fitted
         print(
             f"fitted: Lockstep(step_flops={step:.3g}, tick_flops={tick:.3g}, imbalance={imbalance:.2f}, "

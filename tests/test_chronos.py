@@ -161,6 +161,7 @@ def test_plan_agrees_with_brute_force(cpu):
     assert result.best.tokens_per_second == pytest.approx(best.tokens_per_second)
 
 
+@pytest.mark.alone
 def test_the_cpu_profile_ranks_three_configurations_in_measured_order(cpu):
     """#16: ``--plan auto`` on this machine orders configurations as they run. The three differ in
     what the CPU step model must price: bubbles on shared cores (M=1) and stashing (on XLA:CPU saving
@@ -200,7 +201,7 @@ def test_the_cpu_profile_ranks_three_configurations_in_measured_order(cpu):
         batch = trainer.put_batch(state.data.next()[0])
         steps.append([trainer.step_fn, state.params, state.opt_state, batch])
     measured = [[] for _ in configs]
-    for _ in range(3):  # interleaved rounds: drift on this machine hits every configuration alike
+    for _ in range(5):  # interleaved rounds: drift (and other work on the cores) hits every configuration alike
         for i, entry in enumerate(steps):
             fn, params, opt_state, batch = entry
             for k in range(3):

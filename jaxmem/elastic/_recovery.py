@@ -19,11 +19,13 @@ hardware profile, calibrated by the measured pre-failure step (the worker's own 
 On a CPU (its virtual devices sharing the cores), step time follows the shared-core lockstep model
 of :mod:`jaxmem.memory` (the one ``--plan auto`` uses, with its constants for one process per rank),
 and processes beyond the cores slow every step by ``(processes / cores) ** OVERSUBSCRIPTION``
-(time-slicing; collectives between processes waiting for a core). That exponent is fitted on this 2-core machine
-from failure-free runs of the tiny model (1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe
-2 on 1 to 4 processes; 5% worst error on up to 2 processes); ``benchmarks/elastic.py`` checks it on
-runs with failures. The calibration is one factor, measured / modelled pre-failure step, applied to
-every candidate: the machine's speed drifts (by up to a third here between runs), its shape does not.
+(time-slicing; collectives between processes waiting for a core). That exponent and the model's
+constants are fitted together on this 2-core machine by ``benchmarks/elastic_fit.py`` from failure-free
+runs (the tiny model, 1F1B, M=4 and 8, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2 on 2 to 4
+processes) and checked on llama-tiny and on meshes the fit did not see (16% worst error);
+``benchmarks/elastic.py`` checks them on runs with failures. The calibration is one factor,
+measured / modelled pre-failure step, applied to every candidate: the machine's speed drifts (by up
+to a third here between runs), its shape does not.
 """
 
 from __future__ import annotations

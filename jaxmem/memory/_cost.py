@@ -21,8 +21,12 @@ fitted on the 2-core development machine: ``CPU_LOCKSTEP`` for one process with 
 (``jaxmem train``), fitted by ``benchmarks/plan_ranking.py`` on eleven configurations (schedules,
 meshes, microbatch counts, policies) and checked on ten it did not see;
 ``CPU_LOCKSTEP_PROCESSES`` for one process per rank exchanging over gloo (``jaxmem launch``), whose
-tick costs twenty times more, fitted from failure-free runs of ``benchmarks/elastic.py`` (the tiny
-model, 1F1B, M=4, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2).
+ticks cost about six times more, fitted by ``benchmarks/elastic_fit.py`` on eight failure-free
+launches of the tiny model (1F1B, M=4 and 8, pipe 4, 3 and 2 and data 2 x pipe 2, on 2 to 4
+processes) for what the recovery planner uses -- step-time ratios between configurations of one
+model and microbatch count, calibrated by one measured run -- and checked on eight of llama-tiny and
+of meshes it did not see. Uncalibrated, its predictions are off by up to a quarter: the model has no
+term for how XLA:CPU's speed depends on the microbatch's size.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ class Lockstep:
 # Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json): a stashed byte costs
 # about 79 FLOPs here -- on XLA:CPU saving every residual is slower than recomputing it.
 CPU_LOCKSTEP = Lockstep(step_flops=1.1e8, tick_flops=4.5e7, imbalance=0.77, stash_flops_per_byte=79.0)
-# Fitted from failure-free runs of benchmarks/elastic.py (one process per rank, gloo exchanges).
-CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=0.0, tick_flops=0.73e9, imbalance=0.7)
+# Fitted by benchmarks/elastic_fit.py (benchmarks/results/elastic_fit.json): one process per rank,
+# gloo exchanges -- each tick costs about 14 ms here.
+CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=3.2e8, tick_flops=2.9e8, imbalance=0.024)
 
 __all__ = [
     "CPU_LOCKSTEP",
