@@ -128,10 +128,6 @@ def measured_step_seconds(spec, steps: int, run_dir: Path) -> float:
     return float(result["summary"]["step_seconds_median"])
 
 
-def oversubscription(nprocs: int, cores: int, exponent: float) -> float:
-    return (nprocs / cores) ** exponent if nprocs > cores else 1.0
-
-
 def group_of(row) -> tuple:
     """Runs the planner compares with one calibration: one model at one microbatch count (recovery
     keeps the batch and its microbatches)."""
@@ -152,7 +148,8 @@ def fit(rows, hardware) -> tuple[float, float, float, float]:
     members = [np.array([g == h for h in groups]) for g in sorted(set(groups))]
     best = None
     for exponent in np.linspace(0.0, 1.0, 21):
-        log_measured = np.log([r["measured_seconds"] / oversubscription(r["spec"][1], cores, exponent) for r in rows])
+        slowdown = [recovery._oversubscription(r["spec"][1], cores, exponent) for r in rows]
+        log_measured = np.log([r["measured_seconds"] for r in rows]) - np.log(slowdown)
 
         def residuals(x, log_measured=log_measured):
             step_seconds, tick_seconds, imbalance = x
@@ -165,9 +162,9 @@ def fit(rows, hardware) -> tuple[float, float, float, float]:
         result = least_squares(residuals, x0=[0.05, 0.005, 0.5], bounds=(0.0, np.inf))
         if best is None or result.cost < best[0]:
             step_seconds, tick_seconds, imbalance = result.x
-            best = (result.cost, (float(step_seconds * rate), float(tick_seconds * rate), float(imbalance), exponent))
-    *constants, exponent = best[1]
-    return (*constants, float(exponent))
+            constants = (step_seconds * rate, tick_seconds * rate, imbalance, exponent)
+            best = (result.cost, tuple(float(c) for c in constants))
+    return best[1]
 
 
 def evaluate(rows, hardware, constants, references=()) -> dict:
@@ -178,7 +175,7 @@ def evaluate(rows, hardware, constants, references=()) -> dict:
 
     def predicted_seconds(r):
         t = terms(config_of(*r["spec"]), hardware, 0.0)
-        return predict(t, rate, *lockstep) * oversubscription(r["spec"][1], cores, exponent)
+        return predict(t, rate, *lockstep) * recovery._oversubscription(r["spec"][1], cores, exponent)
 
     predicted = [predicted_seconds(r) for r in rows]
     measured = [r["measured_seconds"] for r in rows]

@@ -22,7 +22,8 @@ and processes beyond the cores slow every step by ``(processes / cores) ** OVERS
 (time-slicing; collectives between processes waiting for a core). That exponent and the model's
 constants are fitted together on this 2-core machine by ``benchmarks/elastic_fit.py`` from failure-free
 runs (the tiny model, 1F1B, M=4 and 8, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2 on 2 to 4
-processes) and checked on llama-tiny and on meshes the fit did not see (16% worst error);
+processes) and checked on llama-tiny and on meshes the fit did not see (8% worst error calibrated
+as below, 29% uncalibrated);
 ``benchmarks/elastic.py`` checks them on runs with failures. The calibration is one factor,
 measured / modelled pre-failure step, applied to every candidate: the machine's speed drifts (by up
 to a third here between runs), its shape does not.
@@ -103,8 +104,9 @@ def _balanced(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(stages))
 
 
-def _oversubscription(nprocs: int | None, cores: int | None) -> float:
-    return (nprocs / cores) ** OVERSUBSCRIPTION if cores and nprocs and nprocs > cores else 1.0
+def _oversubscription(nprocs: int | None, cores: int | None, exponent: float = OVERSUBSCRIPTION) -> float:
+    """The slowdown of ``nprocs`` processes time-slicing ``cores`` cores (1 when they fit)."""
+    return (nprocs / cores) ** exponent if cores and nprocs and nprocs > cores else 1.0
 
 
 def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, hardware, cores):

@@ -25,7 +25,7 @@ ticks cost about six times more, fitted by ``benchmarks/elastic_fit.py`` on eigh
 launches of the tiny model (1F1B, M=4 and 8, pipe 4, 3 and 2 and data 2 x pipe 2, on 2 to 4
 processes) for what the recovery planner uses -- step-time ratios between configurations of one
 model and microbatch count, calibrated by one measured run -- and checked on eight of llama-tiny and
-of meshes it did not see. Uncalibrated, its predictions are off by up to a quarter: the model has no
+of meshes it did not see. Uncalibrated, its predictions are off by up to 29% there: the model has no
 term for how XLA:CPU's speed depends on the microbatch's size.
 """
 
