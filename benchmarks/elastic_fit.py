@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 from elastic import launch  # noqa: E402
-from plan_ranking import predict, spearman, terms, write_record  # noqa: E402
+from plan_ranking import measure_rounds, predict, spearman, terms, write_record  # noqa: E402
 
 from jaxmem.config import TrainConfig  # noqa: E402
 from jaxmem.elastic import _recovery as recovery  # noqa: E402
@@ -228,16 +228,15 @@ def main(argv=None):
         )
         rows = {r["config"]: r for r in earlier["rows"]}
     with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for group, specs in (("fit", FIT), ("holdout", HOLDOUT)):
-                for spec in specs:
-                    name = name_of(*spec)
-                    run_dir = Path(tmp) / f"{name.replace(' ', '_')}-{round_}"
-                    seconds = measured_step_seconds(spec, args.steps, run_dir)
-                    row = rows.setdefault(name, {"config": name, "group": group, "spec": list(spec)})
-                    row.setdefault("measured_per_round", []).append(seconds)
-                    row["measured_seconds"] = min(row["measured_per_round"])
-                    print(f"round {round_}: {name:40s} {seconds:.3f} s/step", file=sys.stderr, flush=True)
+        measure_rounds(
+            rows,
+            args.rounds,
+            (("fit", FIT), ("holdout", HOLDOUT)),
+            name_of,
+            lambda spec, name, round_: measured_step_seconds(
+                spec, args.steps, Path(tmp) / f"{name.replace(' ', '_')}-{round_}"
+            ),
+        )
     fit_rows = [r for r in rows.values() if r["group"] == "fit"]
     hold_rows = [r for r in rows.values() if r["group"] == "holdout"]
     fitted = fit(fit_rows, hardware)

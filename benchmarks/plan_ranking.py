@@ -177,6 +177,21 @@ def evaluate(rows, hardware, constants) -> dict:
     }
 
 
+def measure_rounds(rows: dict, rounds: int, groups, name_of, measure) -> None:
+    """Add ``rounds`` interleaved measurements of every spec in ``groups`` ((group, specs) pairs) to
+    ``rows``, keyed by ``name_of(*spec)``: each row keeps every round's seconds and the fastest.
+    ``measure(spec, name, round_)`` returns one measurement in seconds per step."""
+    for round_ in range(rounds):
+        for group, specs in groups:
+            for spec in specs:
+                name = name_of(*spec)
+                seconds = measure(spec, name, round_)
+                row = rows.setdefault(name, {"config": name, "group": group, "spec": list(spec)})
+                row.setdefault("measured_per_round", []).append(seconds)
+                row["measured_seconds"] = min(row["measured_per_round"])
+                print(f"round {round_}: {name:40s} {seconds:.3f} s/step", file=sys.stderr, flush=True)
+
+
 def write_record(record: dict, out: str | None, as_json: bool) -> bool:
     """Write ``record`` to ``out`` (if given) and print it as JSON when asked; True if printed."""
     if out:
@@ -208,15 +223,13 @@ def main(argv=None):
             parser.error(f"{args.measured} predates the stash-price fit (its rows have no 'spec'); measure again")
         hardware = dataclasses.replace(hardware, peak_flops=earlier["hardware"]["peak_flops"], efficiency=1.0)
         rows = {r["config"]: r for r in earlier["rows"]}
-    for round_ in range(0 if args.measured else args.rounds):
-        for group, configs in (("fit", FIT), ("holdout", HOLDOUT)):
-            for c in configs:
-                name = name_of(*c)
-                seconds = measured_step_seconds(config_of(*c), args.steps)
-                row = rows.setdefault(name, {"config": name, "group": group, "spec": list(c)})
-                row.setdefault("measured_per_round", []).append(seconds)
-                row["measured_seconds"] = min(row["measured_per_round"])
-                print(f"round {round_}: {name:40s} {seconds:.3f} s/step", file=sys.stderr, flush=True)
+    measure_rounds(
+        rows,
+        0 if args.measured else args.rounds,
+        (("fit", FIT), ("holdout", HOLDOUT)),
+        name_of,
+        lambda spec, name, round_: measured_step_seconds(config_of(*spec), args.steps),
+    )
     fit_rows = [r for r in rows.values() if r["group"] == "fit"]
     hold_rows = [r for r in rows.values() if r["group"] == "holdout"]
     fitted = fit(fit_rows, hardware)

@@ -7,7 +7,7 @@ import tomllib
 
 from jaxmem._errors import JaxmemError
 
-__all__ = ["human_bytes", "load_toml", "parse_bytes", "parse_int_list"]
+__all__ = ["human_bytes", "load_toml", "parse_bytes", "parse_int_list", "with_host_devices"]
 
 
 def load_toml(path: str) -> dict:
@@ -58,3 +58,10 @@ def parse_bytes(text: str, flag: str = "--budget") -> float:
     if value <= 0:
         raise JaxmemError(f"{flag} must be > 0, got {text!r}")
     return value
+
+
+def with_host_devices(flags: str, count: int) -> str:
+    """``XLA_FLAGS`` text asking for ``count`` virtual host (CPU) devices, the other flags kept as given
+    (a user's own XLA flags must reach the processes a launcher starts)."""
+    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])

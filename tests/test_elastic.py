@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import with_host_devices
 from jaxmem.config import TrainConfig
 from jaxmem.elastic import Checkpointer, CheckpointError
 from jaxmem.train import Trainer
@@ -420,7 +421,7 @@ def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
         "--checkpoint-every",
         "2",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # the launcher sets each worker's device count, keeping the other XLA flags
     start = time.time()
     proc = subprocess.run(
         [
@@ -466,6 +467,14 @@ def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
 
 
 # ---------------------------------------------------------------- the launcher owns its workers
+def test_the_launcher_keeps_the_users_xla_flags_and_sets_the_device_count():
+    flags = "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    assert with_host_devices(flags, 2) == (
+        "--xla_dump_to=/tmp/x --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2"
+    )
+    assert with_host_devices("", 1) == "--xla_force_host_platform_device_count=1"
+
+
 def _alive(pattern: str) -> list[str]:
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     return out.split()
@@ -523,7 +532,7 @@ def test_a_sigstopped_worker_is_found_by_its_heartbeat_and_blamed(tmp_path):
     worker 1 (not worker 0, whose collective with it times out), and with no restarts left gives up
     in one clear line with exit 1."""
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # the launcher sets each worker's device count, keeping the other XLA flags
     cmd = [sys.executable, "-m", "jaxmem", "launch", "--nprocs", "2", "--run-dir", str(run_dir), "--timeout", "250",
            "--heartbeat-seconds", "8", "--max-restarts", "0", "--", "--stages", "2", "--microbatches", "2",
            "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]  # fmt: skip
@@ -537,6 +546,10 @@ def test_a_sigstopped_worker_is_found_by_its_heartbeat_and_blamed(tmp_path):
     try:
         rank1 = [pid for pid in children if "JAXMEM_PROCESS_ID=1\0" in Path(f"/proc/{pid}/environ").read_text()]
         assert len(rank1) == 1, children
+        # The worker got the suite's own XLA flags (tests/conftest.py), its device count set by the launcher.
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{rank1[0]}/environ").read_text().split("\0") if "=" in v)
+        assert environ["XLA_FLAGS"] == with_host_devices(os.environ["XLA_FLAGS"], 1), environ["XLA_FLAGS"]
+        assert "--xla_backend_optimization_level=0" in environ["XLA_FLAGS"]
         os.kill(int(rank1[0]), signal.SIGSTOP)
         _, err = launcher.communicate(timeout=200)
     finally:
@@ -550,7 +563,7 @@ def test_a_sigstopped_worker_is_found_by_its_heartbeat_and_blamed(tmp_path):
 def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_not_a_failure(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--stages", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # the launcher sets each worker's device count, keeping the other XLA flags
     cmd = [sys.executable, "-m", "jaxmem", "launch", "--nprocs", "2", "--run-dir", str(run_dir), "--timeout", "400"]
     proc = subprocess.Popen(
         [*cmd, "--", *args, "--checkpoint-every", "1000"], env=env, stderr=subprocess.PIPE, text=True
@@ -612,7 +625,7 @@ def test_train_joins_a_slurm_job_by_its_environment(tmp_path, monkeypatch):
     argv = [sys.executable, "-m", "jaxmem", "train", "--stages", "2", "--microbatches", "2", "--batch-size", "4"]
     argv += ["--seq-len", "16", "--steps", "3", "--quiet", "--json"]
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    base["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    base["XLA_FLAGS"] = with_host_devices(os.environ["XLA_FLAGS"], 1)
     procs = [
         subprocess.Popen(
             argv,

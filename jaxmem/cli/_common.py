@@ -12,6 +12,7 @@ from jaxmem._errors import JaxmemError, first_line
 from jaxmem._util import load_toml as load_toml
 from jaxmem._util import parse_bytes as parse_bytes
 from jaxmem._util import parse_int_list as parse_int_list
+from jaxmem._util import with_host_devices
 
 
 def _number(kind, least: float, strict: bool, what: str):
@@ -47,8 +48,8 @@ def setup_devices(count: int | None) -> None:
     if count is None or "jax" in sys.modules:
         return
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    if "xla_force_host_platform_device_count" not in flags:  # a count the user set stays
+        os.environ["XLA_FLAGS"] = with_host_devices(flags, count)
 
 
 # The variables by which a cluster launcher tells each process it started who it is (JAX's own

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import with_host_devices
 
 __all__ = ["Failure", "LaunchInterrupted", "LaunchResult", "launch", "parse_failure"]
 
@@ -207,7 +208,7 @@ def launch(
                         "JAXMEM_PROCESS_ID": str(rank),
                         HEARTBEAT_ENV: str(run / f"heartbeat-{attempt_index}-{rank}"),
                         "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
-                        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+                        "XLA_FLAGS": with_host_devices(os.environ.get("XLA_FLAGS", ""), devices_per_proc),
                     }
                 )
                 env.pop(FAIL_AT_ENV, None)
