@@ -64,6 +64,24 @@ def test_planned_orders_are_valid_and_their_peaks_are_true(num_ops, seed):
         assert arena == max(offsets[t] + s for _, _, t, s in items)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 120))
+def test_first_fit_places_alike_in_python_and_numpy(seed, n):
+    # Small item lists (a rank's stash) take the plain-Python first fit, large ones the NumPy one.
+    import random
+
+    from jaxmem.layout import _place_large, _place_small
+
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        first = rng.randrange(n)
+        items.append((first, first + rng.randrange(n // 3 + 1), i, rng.choice([0, 1, 64, 128, rng.randrange(1, 999)])))
+    for order in (lambda x: (-x[3], x[0], x[1]), lambda x: (x[0], -x[3], x[1]), lambda x: rng.random()):
+        ordered = sorted(items, key=order)
+        assert _place_small(ordered) == _place_large(ordered)
+
+
 def test_check_layout_catches_overlap():
     items = [(0, 2, "a", 10), (1, 3, "b", 10)]
     with pytest.raises(ValueError, match="overlap"):

@@ -18,8 +18,8 @@ examples:
   jaxmem train --policy recompute-all
   jaxmem train --model llama-tiny --dtype bfloat16          # bf16 compute, float32 master weights
   jaxmem train --config run.toml --steps 50      # flags override the file
-  jaxmem train --data my_texts/ --tokenizer bpe:4096 --eval-fraction 0.05 --eval-every 100 \
-      --lr-schedule cosine --warmup-steps 100 --weight-decay 0.1 --grad-clip 1.0 \
+  jaxmem train --data my_texts/ --tokenizer bpe:4096 --eval-fraction 0.05 --eval-every 100 \\
+      --lr-schedule cosine --warmup-steps 100 --weight-decay 0.1 --grad-clip 1.0 \\
       --run-dir runs/a --checkpoint-dir runs/a/ckpt    # then: jaxmem export runs/a/ckpt -o out
 
 A TOML config holds the same keys as the flags (schedule = "zb-h1", stages = 4, ...). On a GPU/TPU

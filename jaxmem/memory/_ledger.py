@@ -17,6 +17,7 @@ and buffers, ``pinned_host`` memory kind on kept arrays) and its device saving i
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -133,7 +134,7 @@ def predict(
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
-    from jaxmem.pipeline import build_tick_program, cell_classes, split_layers
+    from jaxmem.pipeline import cell_classes, split_layers
 
     model = get_model(model)
     facts = facts or model_facts(model)
@@ -175,10 +176,13 @@ def predict(
         class_sizes[c] = dict(stage.stash_elems)
         full_volume = max(full_volume, stage.full_bytes)
         recomputed = max(recomputed, stage.full_bytes - stage.stash_bytes())
-    tick = build_tick_program(schedule, cells, class_sizes)
-    stash_dev, stash_host, live = _arena_bytes(tick)
-    slot_out = sum(w * np.dtype(key[0]).itemsize for key, w in zip(tick.stash_keys, tick.window))
-    messages = (tick.act_slots + 1 + tick.grad_slots + 1) * facts.message_bytes(mb, seq)
+    # The layout's cache key, compact: the distinct classes with their sizes, and each cell's class index.
+    classes = tuple(class_sizes)
+    index = {c: i for i, c in enumerate(classes)}
+    assignment = tuple(index[cells[key]] for key in sorted(cells))
+    sizes = tuple(tuple(sorted(class_sizes[c].items())) for c in classes)
+    stash_dev, stash_host, live, slot_out, act_slots, grad_slots = _stash_layout(schedule, classes, sizes, assignment)
+    messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // data_parallel) * seq * 4
     transient = messages + inputs + slot_out + BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
     # The update brings offloaded weights and optimizer state to the device (the train step's to_device)
@@ -200,6 +204,25 @@ def _rank_ledgers(num_ranks, params, grads, optimizer, stash, transient, live) -
         "transient": Bytes(transient, 0),
     }
     return tuple(RankLedger(rank=r, categories=dict(categories), live_stash_bytes=live[r]) for r in range(num_ranks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stash_layout(schedule, classes: tuple, sizes: tuple, assignment: tuple) -> tuple:
+    """What the ledger reads from the lowered schedule: (device, host) stash arena bytes, each rank's
+    own stash bytes, the bytes of one window-sized slot out of the switch, and the message slots.
+
+    ``classes[i]`` stashes ``sizes[i]`` (arena, elements) pairs; ``assignment`` gives every
+    (stage, microbatch), in sorted order, its class index. Cached by value: a planner prices the same
+    (schedule, policy) several times, and the lowering is most of a prediction's cost.
+    """
+    from jaxmem.pipeline import build_tick_program
+
+    keys = [(s, m) for s in range(schedule.num_stages) for m in range(schedule.num_microbatches)]
+    cells = {key: classes[i] for key, i in zip(keys, assignment, strict=True)}
+    tick = build_tick_program(schedule, cells, dict(zip(classes, map(dict, sizes))), with_table=False)
+    stash_dev, stash_host, live = _arena_bytes(tick)
+    slot_out = sum(w * np.dtype(key[0]).itemsize for key, w in zip(tick.stash_keys, tick.window))
+    return stash_dev, stash_host, tuple(live), slot_out, tick.act_slots, tick.grad_slots
 
 
 def _arena_bytes(tick) -> tuple[float, float, list[float]]:

@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from jaxmem.layout import assign_offsets
-from jaxmem.schedule import Action, Kind, Schedule, ScheduleError, lockstep_ticks, validate
+from jaxmem.schedule import Kind, Schedule, ScheduleError, lockstep_ticks, validate
 
 __all__ = ["StageClass", "TickProgram", "build_tick_program"]
 
@@ -120,18 +120,16 @@ def cell_classes(
     local = {s: schedule.stages_of(schedule.stage_to_rank[s]).index(s) for s in range(S)}
     starts = [sum(layer_counts[:s]) for s in range(S)]
     skip = {s: tuple(i for i in range(layer_counts[s]) if starts[s] + i in drop_layers) for s in range(S)}
-    return {
-        (s, m): StageClass(
-            first=s == 0,
-            last=s == S - 1,
-            layers=layer_counts[s],
-            variant=policy.variant_of[(s, m)],
-            local=local[s],
-            skip=skip[s],
-        )
-        for s in range(S)
-        for m in range(schedule.num_microbatches)
-    }
+    made: dict[tuple[int, int], StageClass] = {}  # one object per (stage, variant): cells share it
+
+    def of(s: int, variant: int) -> StageClass:
+        if (s, variant) not in made:
+            made[(s, variant)] = StageClass(
+                first=s == 0, last=s == S - 1, layers=layer_counts[s], variant=variant, local=local[s], skip=skip[s]
+            )
+        return made[(s, variant)]
+
+    return {(s, m): of(s, policy.variant_of[(s, m)]) for s in range(S) for m in range(schedule.num_microbatches)}
 
 
 def _color_intervals(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -173,6 +171,8 @@ def build_tick_program(
     schedule: Schedule,
     cell_classes: dict[tuple[int, int], StageClass],
     stash_elems: dict[StageClass, dict[tuple[str, str], int]] | None = None,
+    *,
+    with_table: bool = True,
 ) -> TickProgram:
     """Lower a validated schedule to tick tables.
 
@@ -182,6 +182,9 @@ def build_tick_program(
         stash_elems: per class, elements one stage-microbatch stashes per arena ``(dtype, space)``.
             Without it every class stashes one element in a single ``("float32", "device")`` arena
             (enough for slot counting and tests).
+        with_table: False leaves ``table`` empty (shape ``(0, 0, 0)``) and skips the per-tick
+            rows: for callers that read only slot counts and arena sizes (the memory ledger), not
+            for an executor.
     """
     validate(schedule)
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
@@ -199,22 +202,21 @@ def build_tick_program(
         for v, s in enumerate(stages):
             local_stage[s] = v
 
-    classes: list[StageClass] = []
+    index_of: dict[StageClass, int] = {}  # classes in order of first appearance
     cell_class: dict[tuple[int, int], int] = {}
     for key in sorted(cell_classes):
-        c = cell_classes[key]
-        if c not in classes:
-            classes.append(c)
-        cell_class[key] = classes.index(c)
+        cell_class[key] = index_of.setdefault(cell_classes[key], len(index_of))
+    classes = list(index_of)
 
     ticks = lockstep_ticks(schedule)
     num_ticks = 1 + max(ticks.values())
     rank_of = schedule.stage_to_rank
     present = set(ticks)
+    tick_of = {(a.stage, a.kind, a.microbatch): t for a, t in ticks.items()}  # no Action built per lookup
     split = {(a.stage, a.microbatch) for a in present if a.kind is Kind.I}
 
-    def last_use(stage: int, mb: int) -> Action:
-        return Action(stage, Kind.W if (stage, mb) in split else Kind.B, mb)
+    def last_use(stage: int, mb: int) -> int:
+        return tick_of[(stage, Kind.W if (stage, mb) in split else Kind.B, mb)]
 
     hops = {(rank_of[s + 1] - rank_of[s]) % num_ranks for s in range(num_stages - 1)}
     offsets = sorted((hops | {(-h) % num_ranks for h in hops}) - {0})
@@ -227,10 +229,10 @@ def build_tick_program(
         s, m = a.stage, a.microbatch
         if a.kind is Kind.F:
             if s > 0:
-                act_items[rank_of[s]].append((ticks[Action(s - 1, Kind.F, m)], ticks[a], (s, m)))
-            stash_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], ticks[last_use(s, m)], (s, m)))
+                act_items[rank_of[s]].append((tick_of[(s - 1, Kind.F, m)], ticks[a], (s, m)))
+            stash_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), (s, m)))
         elif a.kind in (Kind.B, Kind.I) and s > 0:
-            grad_items[rank_of[s - 1]].append((ticks[a], ticks[last_use(s - 1, m)], (s - 1, m)))
+            grad_items[rank_of[s - 1]].append((ticks[a], last_use(s - 1, m), (s - 1, m)))
 
     act_slot, grad_slot = {}, {}
     act_slots = grad_slots = 0
@@ -272,41 +274,44 @@ def build_tick_program(
             branches.append(key)
 
     width = len(COLUMNS) + 2 * len(offsets) + len(stash_keys)
-    table = np.zeros((num_ranks, num_ticks, width), np.int64)
-    col = {name: i for i, name in enumerate(COLUMNS)}
-    table[:, :, col["send"]] = len(offsets)
-    table[:, :, col["local_act"]] = act_trash
-    table[:, :, col["local_grad"]] = grad_trash
-    for k in range(len(offsets)):
-        table[:, :, len(COLUMNS) + 2 * k] = act_trash
-        table[:, :, len(COLUMNS) + 2 * k + 1] = grad_trash
+    if not with_table:
+        table = np.zeros((0, 0, 0), np.int64)
+    else:
+        table = np.zeros((num_ranks, num_ticks, width), np.int64)
+        col = {name: i for i, name in enumerate(COLUMNS)}
+        table[:, :, col["send"]] = len(offsets)
+        table[:, :, col["local_act"]] = act_trash
+        table[:, :, col["local_grad"]] = grad_trash
+        for k in range(len(offsets)):
+            table[:, :, len(COLUMNS) + 2 * k] = act_trash
+            table[:, :, len(COLUMNS) + 2 * k + 1] = grad_trash
 
-    for a, t in ticks.items():
-        s, m, r = a.stage, a.microbatch, rank_of[a.stage]
-        row = table[r, t]
-        row[col["branch"]] = 1 + branches.index((cell_class[(s, m)], a.kind))
-        row[col["local_stage"]] = local_stage[s]
-        row[col["microbatch"]] = m
-        for ki in range(len(stash_keys)):
-            row[len(COLUMNS) + 2 * len(offsets) + ki] = stash_offset[(ki, s, m)]
-        if a.kind is Kind.F and s > 0:
-            row[col["act_in"]] = act_slot[(r, (s, m))]
-        if a.kind in (Kind.B, Kind.I, Kind.W) and s < num_stages - 1:
-            row[col["grad_in"]] = grad_slot[(r, (s, m))]
-        # Where the output goes: F -> stage s+1's activation buffer; B/I -> stage s-1's gradient buffer.
-        if a.kind is Kind.F and s < num_stages - 1:
-            dst, buffer, key = rank_of[s + 1], "act", (s + 1, m)
-        elif a.kind in (Kind.B, Kind.I) and s > 0:
-            dst, buffer, key = rank_of[s - 1], "grad", (s - 1, m)
-        else:
-            continue
-        slot = act_slot[(dst, key)] if buffer == "act" else grad_slot[(dst, key)]
-        if dst == r:
-            row[col["local_" + buffer]] = slot
-        else:
-            k = offsets.index((dst - r) % num_ranks)
-            row[col["send"]] = k
-            table[dst, t, len(COLUMNS) + 2 * k + (0 if buffer == "act" else 1)] = slot
+        for a, t in ticks.items():
+            s, m, r = a.stage, a.microbatch, rank_of[a.stage]
+            row = table[r, t]
+            row[col["branch"]] = 1 + branches.index((cell_class[(s, m)], a.kind))
+            row[col["local_stage"]] = local_stage[s]
+            row[col["microbatch"]] = m
+            for ki in range(len(stash_keys)):
+                row[len(COLUMNS) + 2 * len(offsets) + ki] = stash_offset[(ki, s, m)]
+            if a.kind is Kind.F and s > 0:
+                row[col["act_in"]] = act_slot[(r, (s, m))]
+            if a.kind in (Kind.B, Kind.I, Kind.W) and s < num_stages - 1:
+                row[col["grad_in"]] = grad_slot[(r, (s, m))]
+            # Where the output goes: F -> stage s+1's activation buffer; B/I -> stage s-1's gradient buffer.
+            if a.kind is Kind.F and s < num_stages - 1:
+                dst, buffer, key = rank_of[s + 1], "act", (s + 1, m)
+            elif a.kind in (Kind.B, Kind.I) and s > 0:
+                dst, buffer, key = rank_of[s - 1], "grad", (s - 1, m)
+            else:
+                continue
+            slot = act_slot[(dst, key)] if buffer == "act" else grad_slot[(dst, key)]
+            if dst == r:
+                row[col["local_" + buffer]] = slot
+            else:
+                k = offsets.index((dst - r) % num_ranks)
+                row[col["send"]] = k
+                table[dst, t, len(COLUMNS) + 2 * k + (0 if buffer == "act" else 1)] = slot
 
     return TickProgram(
         schedule=schedule,

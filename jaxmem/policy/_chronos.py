@@ -129,20 +129,13 @@ def chronos_policy(
             SAVE, offload_optimizer_state=state["optimizer-state"], offload_weights=state["weights"]
         )
         stages = tuple((s, stage_base) for s in range(schedule.num_stages)) if stage_base != SAVE else ()
-        cells = tuple(
-            sorted(
-                (
-                    s,
-                    m,
-                    dataclasses.replace(
-                        CELL_POLICIES[level],
-                        offload_optimizer_state=state["optimizer-state"],
-                        offload_weights=state["weights"],
-                    ),
-                )
-                for (s, m), level in levels.items()
+        placed = {
+            level: dataclasses.replace(
+                CELL_POLICIES[level], offload_optimizer_state=state["optimizer-state"], offload_weights=state["weights"]
             )
-        )
+            for level in set(levels.values())
+        }
+        cells = tuple(sorted((s, m, placed[level]) for (s, m), level in levels.items()))
         return Policy(default=SAVE, stages=stages, cells=cells, name=name)
 
     policy = build(cell_level, flags)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
+import types
 from collections.abc import Callable, Mapping
 
 from jaxmem._errors import JaxmemError
@@ -284,6 +286,11 @@ def microbatch_classes(schedule) -> dict[str, frozenset[tuple[int, int]]]:
     for their backward in 1F1B-like schedules. ``steady``: the others. ``mb<i>``: microbatch i. Only
     non-empty classes are valid names.
     """
+    return dict(_microbatch_classes(schedule))
+
+
+@functools.lru_cache(maxsize=512)
+def _microbatch_classes(schedule) -> Mapping[str, frozenset[tuple[int, int]]]:
     from jaxmem.schedule import Kind
 
     classes: dict[str, set] = {"warmup": set(), "steady": set()}
@@ -297,7 +304,7 @@ def microbatch_classes(schedule) -> dict[str, frozenset[tuple[int, int]]]:
                 seen_backward.add(a.stage)
     for m in range(schedule.num_microbatches):
         classes[f"mb{m}"] = {(s, m) for s in range(schedule.num_stages)}
-    return {name: frozenset(cells) for name, cells in classes.items() if cells}
+    return types.MappingProxyType({name: frozenset(cells) for name, cells in classes.items() if cells})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +331,7 @@ class Policy:
         S, M = schedule.num_stages, schedule.num_microbatches
         for stage, _ in self.stages:
             _check_stage(stage, S)
-        classes = microbatch_classes(schedule)
+        classes = _microbatch_classes(schedule)
         for cls, _ in self.microbatch:
             _check_class(cls, classes, schedule)
         for stage, cls, _ in self.stage_microbatch:
@@ -356,9 +363,10 @@ class Policy:
         for s in range(S):
             for m in range(M):
                 chosen = by_stage.get(s, self.default)
-                for cls, sp in self.microbatch:
-                    if (s, m) in classes[cls] and s not in by_stage:
-                        chosen = sp
+                if s not in by_stage:
+                    for cls, sp in self.microbatch:
+                        if (s, m) in classes[cls]:
+                            chosen = sp
                 for stage, cls, sp in self.stage_microbatch:
                     if stage == s and (s, m) in classes[cls]:
                         chosen = sp
@@ -400,14 +408,9 @@ class ResolvedPolicy:
 
     @classmethod
     def build(cls, policy: Policy, schedule, table: Mapping[tuple[int, int], BoundStagePolicy]) -> ResolvedPolicy:
-        variants: list[BoundStagePolicy] = []
-        variant_of = {}
-        for key in sorted(table):
-            sp = table[key]
-            if sp not in variants:
-                variants.append(sp)
-            variant_of[key] = variants.index(sp)
-        resolved = cls(policy, tuple(variants), variant_of, schedule.num_stages, schedule.num_microbatches)
+        index_of: dict[BoundStagePolicy, int] = {}  # variants in order of first appearance
+        variant_of = {key: index_of.setdefault(table[key], len(index_of)) for key in sorted(table)}
+        resolved = cls(policy, tuple(index_of), variant_of, schedule.num_stages, schedule.num_microbatches)
         resolved._check_state_offload(schedule)
         return resolved
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import types
 from collections.abc import Callable
 
 from jaxmem._errors import JaxmemError
@@ -172,6 +174,25 @@ def _freeing_kind(schedule: Schedule, action: Action, present: set) -> Kind:
     return Kind.W if Action(action.stage, Kind.W, action.microbatch) in present else Kind.B
 
 
+@functools.lru_cache(maxsize=512)
+def _walk(schedule: Schedule) -> tuple:
+    """What :func:`simulate` needs of a schedule alone, computed once per schedule: the actions in
+    lockstep order (a topological order that respects every rank's own order), each with its rank,
+    its dependencies and the next action of its rank (or None); and per F, the action that frees its
+    activation (its B, or its W when the backward is split)."""
+    ticks = lockstep_ticks(schedule)
+    present = set(ticks)
+    rank_of = schedule.stage_to_rank
+    orders = [schedule.actions(r) for r in range(schedule.num_ranks)]
+    following = {a: (row[i + 1] if i + 1 < len(row) else None) for row in orders for i, a in enumerate(row)}
+    walk = tuple(
+        (action, rank_of[action.stage], tuple(dependencies(action, schedule, present)), following[action])
+        for action in sorted(present, key=lambda a: (ticks[a], rank_of[a.stage]))
+    )
+    frees = {a: Action(a.stage, _freeing_kind(schedule, a, present), a.microbatch) for a in present if a.kind is Kind.F}
+    return walk, types.MappingProxyType(frees)
+
+
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
     """Run the schedule against per-action costs, each rank in its table order.
 
@@ -185,8 +206,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     """
     costs = costs or Costs()
     validate(schedule)
-    ticks = lockstep_ticks(schedule)
-    present = set(ticks)
+    walk, frees = _walk(schedule)
     rank_of = schedule.stage_to_rank
     num_ranks = schedule.num_ranks
     rank_free = [0.0] * num_ranks
@@ -198,19 +218,24 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     finish: dict[Action, float] = {}
     offload_end: dict[tuple[int, int], float] = {}
     prefetch: dict[tuple[int, int], tuple[float, float]] = {}
-    orders = [schedule.actions(r) for r in range(num_ranks)]
-    position = {a: i for r in range(num_ranks) for i, a in enumerate(orders[r])}
+    durations: dict = {}  # per (kind, stage) when costs has no per-action extra
+
+    def duration_of(action: Action) -> float:
+        if costs.extra is not None:
+            return costs.duration(action, schedule)
+        key = (action.kind, action.stage)
+        if key not in durations:
+            durations[key] = costs.duration(action, schedule)
+        return durations[key]
 
     def transfer_seconds(stage: int, mb: int) -> float:
         if costs.offload_fn is None:
             return 0.0
         return float(costs.offload_fn(stage, mb)) / costs.host_bandwidth
 
-    # Lockstep order is a topological order that respects every rank's own order.
-    for action in sorted(present, key=lambda a: (ticks[a], rank_of[a.stage])):
-        rank = rank_of[action.stage]
+    for action, rank, deps, nxt in walk:
         ready = rank_free[rank]
-        for dep in dependencies(action, schedule, present):
+        for dep in deps:
             hop = costs.comm if rank_of[dep.stage] != rank else 0.0
             ready = max(ready, finish[dep] + hop)
         key = (action.stage, action.microbatch)
@@ -219,16 +244,14 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
             if waited > 0:
                 exposed[rank] += waited
                 ready = prefetch[key][1]
-        duration = costs.duration(action, schedule)
+        duration = duration_of(action)
         start[action] = ready
         finish[action] = ready + duration
         rank_free[rank] = ready + duration
         busy[rank] += duration
         # The prefetch for the next action is requested when this one starts (it overlaps this
         # action), before this action's own offload, which is requested when it ends.
-        nxt_index = position[action] + 1
-        if nxt_index < len(orders[rank]):
-            nxt = orders[rank][nxt_index]
+        if nxt is not None:
             nkey = (nxt.stage, nxt.microbatch)
             if nxt.kind in (Kind.B, Kind.I) and nkey in offload_end:
                 seconds = transfer_seconds(*nkey)
@@ -256,8 +279,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
                 key = (action.stage, action.microbatch)
                 size = costs.activation_size(action.stage, action.microbatch, schedule)
                 events.append((start[action], +1, size))
-                free = Action(action.stage, _freeing_kind(schedule, action, present), action.microbatch)
-                events.append((finish[free], -1, -size))
+                events.append((finish[frees[action]], -1, -size))
                 if key in prefetch:
                     moved = min(float(costs.offload_fn(*key)), size)
                     events.append((offload_end[key], 0, -moved))

@@ -73,9 +73,22 @@ class Schedule:
     def num_stages(self) -> int:
         return len(self.stage_to_rank)
 
+    # A Schedule is immutable: what planners ask of the same table thousands of times (its actions,
+    # microbatch count, hash) is computed once and kept on the instance (not a field: equality and
+    # repr are unchanged).
+    def _memo(self, name: str, compute):
+        value = self.__dict__.get(name)
+        if value is None:
+            value = compute()
+            object.__setattr__(self, name, value)
+        return value
+
+    def __hash__(self) -> int:
+        return self._memo("_hash", lambda: hash((self.ranks, self.stage_to_rank)))
+
     @property
     def num_microbatches(self) -> int:
-        return 1 + max((a.microbatch for a in self.actions()), default=-1)
+        return self._memo("_num_microbatches", lambda: 1 + max((a.microbatch for a in self.actions()), default=-1))
 
     @property
     def num_steps(self) -> int:
@@ -98,8 +111,10 @@ class Schedule:
 
     def actions(self, rank: int | None = None) -> tuple[Action, ...]:
         """The non-idle actions of one rank (in order), or of all ranks when ``rank`` is None."""
-        rows = self.ranks if rank is None else (self.ranks[rank],)
-        return tuple(a for row in rows for a in row if a is not None)
+        per_rank = self._memo("_actions", lambda: tuple(tuple(a for a in row if a is not None) for row in self.ranks))
+        if rank is None:
+            return self._memo("_all_actions", lambda: tuple(a for row in per_rank for a in row))
+        return per_rank[rank]
 
     def compact(self) -> Schedule:
         """The same schedule with idle cells removed."""

@@ -26,9 +26,12 @@ def validate(schedule: Schedule) -> Schedule:
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate() takes a Schedule, got {type(schedule).__name__}")
+    if schedule.__dict__.get("_valid"):  # checked before: a Schedule is immutable
+        return schedule
     _check_placement(schedule)
     _check_completeness(schedule)
     lockstep_ticks(schedule)
+    object.__setattr__(schedule, "_valid", True)
     return schedule
 
 

@@ -163,6 +163,16 @@ class _QuietOrbaxSaveErrors(logging.Filter):
 _QUIET = _QuietOrbaxSaveErrors()
 
 
+class _QuietReadOnly(logging.Filter):
+    """Orbax warns that a read-only manager's directory is read only -- which ``read_params`` asked for."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (f"{os.sep}orbax{os.sep}" in record.pathname and "Given directory is read only" in str(record.msg))
+
+
+_QUIET_READ_ONLY = _QuietReadOnly()
+
+
 class _QuietAftermath(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "exception was never retrieved" not in str(record.msg)  # a Future's or a Task's
@@ -476,9 +486,11 @@ def read_params(directory, step: int | None = None) -> Restored:
     if step not in steps:
         raise CheckpointError(f"no checkpoint step {step} in {directory}; steps: {steps}")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    logging.getLogger("absl").addFilter(_QUIET_READ_ONLY)  # idempotent
     reader = ocp.CheckpointManager(
         directory,
-        options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        # save_interval_steps=0: a read-only manager saves nothing (Orbax warns when it has to set it).
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
     )
     try:
