@@ -16,19 +16,13 @@ def _overlap(a_first, a_last, b_first, b_last) -> bool:
     return a_first <= b_last and b_first <= a_last
 
 
-def _place_in_order(items) -> tuple[dict, int]:
+def _place_in_order(items, small: bool | None = None) -> tuple[dict, int]:
     """First fit, items taken in the given order: each at the lowest offset not used by an already
-    placed item whose lifetime overlaps. Plain Python up to several hundred items (a pipeline rank's
-    stash), NumPy-vectorised overlap tests beyond (operator graphs); the two place alike."""
+    placed item whose lifetime overlaps. The overlap tests run in plain Python up to several hundred
+    items (a pipeline rank's stash) and vectorised with NumPy beyond (operator graphs); both place
+    alike (``small`` forces one, for tests)."""
     items = list(items)
-    return (_place_small if len(items) <= _SMALL else _place_large)(items)
-
-
-_SMALL = 768  # measured crossover of the two on random lifetimes: ~1000 items
-
-
-def _place_small(items) -> tuple[dict, int]:
-    placed = []  # (first, last, start, end)
+    placed = (_PythonRanges if (len(items) <= _SMALL if small is None else small) else _NumpyRanges)(len(items))
     offset_of = {}
     top = 0
     for first, last, key, size in items:
@@ -36,47 +30,53 @@ def _place_small(items) -> tuple[dict, int]:
             offset_of[key] = 0
             continue
         offset = 0
-        # Busy ranges in address order (ties: any order gives the same offset).
-        for start, end in sorted([(s, e) for f, q, s, e in placed if f <= last and first <= q]):
+        for start, end in placed.busy(first, last):  # in address order
             if offset + size <= start:
                 break
             offset = max(offset, end)
-        placed.append((first, last, offset, offset + size))
+        placed.add(first, last, offset, offset + size)
         offset_of[key] = offset
         top = max(top, offset + size)
     return offset_of, top
 
 
-def _place_large(items) -> tuple[dict, int]:
-    import numpy as np
+_SMALL = 768  # the two overlap tests cost the same at ~1000 random lifetimes (measured)
 
-    n = len(items)
-    firsts = np.empty(n, np.int64)
-    lasts = np.empty(n, np.int64)
-    starts = np.empty(n, np.int64)
-    ends = np.empty(n, np.int64)
-    count = 0
-    offset_of = {}
-    top = 0
-    for first, last, key, size in items:
-        if size == 0:
-            offset_of[key] = 0
-            continue
-        offset = 0
-        if count:
-            mask = (firsts[:count] <= last) & (first <= lasts[:count])
-            if mask.any():
-                s_busy, e_busy = starts[:count][mask], ends[:count][mask]
-                order = np.argsort(s_busy, kind="stable")
-                for start, end in zip(s_busy[order].tolist(), e_busy[order].tolist()):
-                    if offset + size <= start:
-                        break
-                    offset = max(offset, end)
-        firsts[count], lasts[count], starts[count], ends[count] = first, last, offset, offset + size
-        count += 1
-        offset_of[key] = offset
-        top = max(top, offset + size)
-    return offset_of, top
+
+class _PythonRanges:
+    """Placed items' lifetimes and address ranges; ``busy`` gives the ranges of those alive with
+    ``[first, last]``, sorted (ties in any order: first fit gives the same offset)."""
+
+    def __init__(self, n: int):
+        self.placed = []
+
+    def add(self, first, last, start, end) -> None:
+        self.placed.append((first, last, start, end))
+
+    def busy(self, first, last) -> list:
+        return sorted([(s, e) for f, q, s, e in self.placed if f <= last and first <= q])
+
+
+class _NumpyRanges:
+    def __init__(self, n: int):
+        import numpy as np
+
+        self.np, self.count = np, 0
+        self.firsts, self.lasts, self.starts, self.ends = (np.empty(n, np.int64) for _ in range(4))
+
+    def add(self, first, last, start, end) -> None:
+        i = self.count
+        self.firsts[i], self.lasts[i], self.starts[i], self.ends[i] = first, last, start, end
+        self.count += 1
+
+    def busy(self, first, last):
+        n = self.count
+        mask = (self.firsts[:n] <= last) & (first <= self.lasts[:n])
+        if not n or not mask.any():
+            return ()
+        s_busy, e_busy = self.starts[:n][mask], self.ends[:n][mask]
+        order = self.np.argsort(s_busy, kind="stable")
+        return zip(s_busy[order].tolist(), e_busy[order].tolist())
 
 
 def _first_fit(items, order_key) -> tuple[dict, int]:

@@ -70,7 +70,7 @@ def test_first_fit_places_alike_in_python_and_numpy(seed, n):
     # Small item lists (a rank's stash) take the plain-Python first fit, large ones the NumPy one.
     import random
 
-    from jaxmem.layout import _place_large, _place_small
+    from jaxmem.layout import _place_in_order
 
     rng = random.Random(seed)
     items = []
@@ -79,7 +79,7 @@ def test_first_fit_places_alike_in_python_and_numpy(seed, n):
         items.append((first, first + rng.randrange(n // 3 + 1), i, rng.choice([0, 1, 64, 128, rng.randrange(1, 999)])))
     for order in (lambda x: (-x[3], x[0], x[1]), lambda x: (x[0], -x[3], x[1]), lambda x: rng.random()):
         ordered = sorted(items, key=order)
-        assert _place_small(ordered) == _place_large(ordered)
+        assert _place_in_order(ordered, small=True) == _place_in_order(ordered, small=False)
 
 
 def test_check_layout_catches_overlap():
