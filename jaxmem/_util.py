@@ -24,8 +24,14 @@ def load_toml(path: str) -> dict:
 
 
 def human_bytes(n: float) -> str:
-    """``1.50 GiB`` or ``12.00 MiB``."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    """``1.50 GiB``, ``12.00 MiB`` or, below a tenth of a MiB, ``1.00 KiB``.
+
+    >>> human_bytes(3 * 2**30), human_bytes(12 * 2**20), human_bytes(1024)
+    ('3.00 GiB', '12.00 MiB', '1.00 KiB')
+    """
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.2f} KiB"
 
 
 def parse_int_list(text: str, flag: str) -> tuple[int, ...]:

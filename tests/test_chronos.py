@@ -1,6 +1,7 @@
 """ChronosPipe: the chronos schedule, Chronos-Recomp/Offload, the planner and its CLI."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -265,10 +266,19 @@ def test_infeasible_budget_names_the_smallest_that_fits(capsys):
 
 def test_train_plan_auto_infeasible_is_a_clear_error(capsys):
     from jaxmem.cli import main
+    from jaxmem.config import TrainConfig
+    from jaxmem.search import SearchError
+    from jaxmem.train import apply_plan
 
-    code = main(["train", "--plan", "auto", "--budget", "1MiB", "--steps", "1", "--quiet"])
-    err = capsys.readouterr().err
+    code = main(["train", "--plan", "auto", "--budget", "1MiB", "--steps", "1"])
+    out, err = capsys.readouterr()
     assert code == 2 and "smallest plan needs" in err and "--budget" in err
+    assert (out + err).count("nothing fits") == 1  # said once, not also by the search's explanation
+    # The budget it suggests is enough: rounded up, not to the nearest.
+    suggested = float(re.search(r"pass --budget ([0-9.]+)MiB", err).group(1)) * 2**20
+    with pytest.raises(SearchError) as info:
+        apply_plan(TrainConfig(plan="auto", budget=2**20), log=lambda line: None)
+    assert info.value.smallest_budget <= suggested
 
 
 def test_search_error_carries_the_smallest_budget():

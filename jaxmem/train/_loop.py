@@ -29,6 +29,7 @@ def _hardware_name(config: TrainConfig) -> str:
 
 def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[TrainConfig, dict]:
     """Replace the pipeline settings of a ``plan="auto"`` config with the configuration search's pick."""
+    from jaxmem._util import human_bytes
     from jaxmem.memory import get_hardware
     from jaxmem.search import SearchError, search
 
@@ -42,15 +43,15 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         batch=config.batch_size,
         seq=config.seq_len,
     )
-    for line in result.explain(top=3):
-        log(line)
-    if result.best is None:
+    if result.best is None:  # said once, as the error (the search's own explanation says the same)
+        need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit
         raise SearchError(
-            f"nothing fits a budget of {config.budget / 2**20:,.1f} MiB per device on {devices} devices; the "
-            f"smallest plan needs {result.smallest_budget / 2**20:,.1f} MiB (pass --budget "
-            f"{result.smallest_budget / 2**20:,.1f}MiB or more, or more devices)",
+            f"nothing fits a budget of {human_bytes(config.budget)} per device on {devices} devices; the "
+            f"smallest plan needs {need} (pass --budget {need} or more, or more devices)",
             result.smallest_budget,
         )
+    for line in result.explain(top=3):
+        log(line)
     best = result.best
     planned = dataclasses.replace(
         config,
