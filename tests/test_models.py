@@ -70,6 +70,15 @@ def test_a_users_nnx_model_trains_pipelined_with_gradients_equal_to_its_own_loss
     assert result["max_rel_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_abstract_params_kept_from_the_build_equal_a_trace_of_init(name):
+    # from_nnx keeps the shapes of the module it built abstractly instead of tracing init again.
+    model = get_model(name, n_layers=3)
+    kept, traced = model.abstract_params(), jax.eval_shape(lambda: model.init(0))
+    assert jax.tree.structure(kept) == jax.tree.structure(traced)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(kept)] == [(a.shape, a.dtype) for a in jax.tree.leaves(traced)]
+
+
 def test_an_emitted_tag_the_model_does_not_declare_is_an_error():
     model = tiny_lm(tag="secret", declared=("hidden",))
     pipe = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2))

@@ -220,9 +220,11 @@ class StagedModel:
         return f"StagedModel({self.name!r}, {self.n_layers} layers, tags: {self.tags.describe()})"
 
     def abstract_params(self):
-        """The parameter tree's shapes and dtypes (nothing allocated)."""
-        with _cheap_tracer_attribute_errors():
-            return jax.eval_shape(lambda: self.init(0))
+        """The parameter tree's shapes and dtypes (nothing allocated; traced once per model)."""
+        if "_abstract_params" not in self.__dict__:
+            with _cheap_tracer_attribute_errors():
+                object.__setattr__(self, "_abstract_params", jax.eval_shape(lambda: self.init(0)))
+        return self.__dict__["_abstract_params"]
 
     def param_count(self) -> int:
         return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract_params()))
@@ -467,7 +469,7 @@ def from_nnx(
         def logits_fn(params, batch):
             return logits(nnx.merge(graphdef, params), batch)
 
-    return StagedModel(
+    staged = StagedModel(
         name=name,
         n_layers=len(layer_modules),
         init=init,
@@ -485,6 +487,10 @@ def from_nnx(
         rng=bool(rng),
         logits=logits_fn,
     )
+    if factory is not None:  # the abstract module built above is what init(0) would give: keep its shapes
+        abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(params))
+        object.__setattr__(staged, "_abstract_params", abstract_params)
+    return staged
 
 
 def _without(tree: Mapping, path: tuple[str, ...]) -> dict:
