@@ -72,7 +72,7 @@ class _NumpyRanges:
     def busy(self, first, last):
         n = self.count
         mask = (self.firsts[:n] <= last) & (first <= self.lasts[:n])
-        if not n or not mask.any():
+        if not mask.any():
             return ()
         s_busy, e_busy = self.starts[:n][mask], self.ends[:n][mask]
         order = self.np.argsort(s_busy, kind="stable")

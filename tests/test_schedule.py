@@ -332,3 +332,20 @@ def test_shipped_tables_match_their_generators(path):
     name, p, m = parts[0], int(parts[1][1:]), int(parts[2][1:])
     v = int(parts[3][1:]) if len(parts) > 3 else None
     assert validate(load_csv(path)) == generate(name, p, m, virtual=v)
+
+
+def test_a_schedule_keeps_what_it_computed_but_pickles_without_it():
+    import pickle
+    import subprocess
+    import sys
+
+    schedule = generate("1f1b", 2, 4)
+    validate(schedule)
+    assert schedule.num_microbatches == 4 and hash(schedule) == hash(generate("1f1b", 2, 4))
+    copy = pickle.loads(pickle.dumps(schedule))
+    assert copy == schedule and not [k for k in vars(copy) if k.startswith("_")]
+    # A hash kept from another process (string hashes are salted per process) would not match here.
+    code = "import pickle, sys; from jaxmem.schedule import generate; s = generate('1f1b', 2, 4); hash(s); "
+    code += "sys.stdout.buffer.write(pickle.dumps(s))"
+    other = pickle.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout)
+    assert hash(other) == hash(schedule) and other in {schedule}

@@ -86,6 +86,10 @@ class Schedule:
     def __hash__(self) -> int:
         return self._memo("_hash", lambda: hash((self.ranks, self.stage_to_rank)))
 
+    def __getstate__(self) -> dict:
+        # Without the memos: a string's hash differs between processes, so a kept hash would not travel.
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     @property
     def num_microbatches(self) -> int:
         return self._memo("_num_microbatches", lambda: 1 + max((a.microbatch for a in self.actions()), default=-1))
