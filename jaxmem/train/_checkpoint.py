@@ -145,32 +145,29 @@ def _write_failure(e: Exception) -> str:
     return f"{os.strerror(code)} (errno {code})" if code else first_line(e)
 
 
-class _QuietOrbaxSaveErrors(logging.Filter):
-    """Orbax logs a failed background save as several ERROR tracebacks from its threads; the
-    Checkpointer reports that failure itself, in one line, so those records (and only those: Orbax's
-    other errors still show) are dropped."""
+class _QuietOrbax(logging.Filter):
+    """Drops Orbax's log records at ``level`` or above whose message holds one of ``texts`` (only
+    those: Orbax's other records still show)."""
 
-    SAVE_FAILURE = ("raised an exception", "Handler Commit operations", "Save Finalize thread", "may not be finalized")
+    def __init__(self, texts: tuple[str, ...], level: int):
+        super().__init__()
+        self.texts, self.level = texts, level
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (
-            record.levelno >= logging.ERROR
+            record.levelno >= self.level
             and f"{os.sep}orbax{os.sep}" in record.pathname
-            and any(text in str(record.msg) for text in self.SAVE_FAILURE)
+            and any(text in str(record.msg) for text in self.texts)
         )
 
 
-_QUIET = _QuietOrbaxSaveErrors()
-
-
-class _QuietReadOnly(logging.Filter):
-    """Orbax warns that a read-only manager's directory is read only -- which ``read_params`` asked for."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (f"{os.sep}orbax{os.sep}" in record.pathname and "Given directory is read only" in str(record.msg))
-
-
-_QUIET_READ_ONLY = _QuietReadOnly()
+# Orbax logs a failed background save as several ERROR tracebacks from its threads; the Checkpointer
+# reports that failure itself, in one line.
+_QUIET = _QuietOrbax(
+    ("raised an exception", "Handler Commit operations", "Save Finalize thread", "may not be finalized"), logging.ERROR
+)
+# Orbax warns that a read-only manager's directory is read only -- which ``read_params`` asked for.
+_QUIET_READ_ONLY = _QuietOrbax(("Given directory is read only",), logging.WARNING)
 
 
 class _QuietAftermath(logging.Filter):
