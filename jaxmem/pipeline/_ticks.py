@@ -265,7 +265,6 @@ def build_tick_program(
             rank_arena[ki][r] = length
             need = max(need, length)
         arena.append(need)
-    act_trash, grad_trash = act_slots, grad_slots
 
     branches: list[tuple[int, Kind]] = []
     for a in sorted(present, key=lambda a: (cell_class[(a.stage, a.microbatch)], KINDS.index(a.kind))):
@@ -273,47 +272,7 @@ def build_tick_program(
         if key not in branches:
             branches.append(key)
 
-    width = len(COLUMNS) + 2 * len(offsets) + len(stash_keys)
-    if not with_table:
-        table = np.zeros((0, 0, 0), np.int64)
-    else:
-        table = np.zeros((num_ranks, num_ticks, width), np.int64)
-        col = {name: i for i, name in enumerate(COLUMNS)}
-        table[:, :, col["send"]] = len(offsets)
-        table[:, :, col["local_act"]] = act_trash
-        table[:, :, col["local_grad"]] = grad_trash
-        for k in range(len(offsets)):
-            table[:, :, len(COLUMNS) + 2 * k] = act_trash
-            table[:, :, len(COLUMNS) + 2 * k + 1] = grad_trash
-
-        for a, t in ticks.items():
-            s, m, r = a.stage, a.microbatch, rank_of[a.stage]
-            row = table[r, t]
-            row[col["branch"]] = 1 + branches.index((cell_class[(s, m)], a.kind))
-            row[col["local_stage"]] = local_stage[s]
-            row[col["microbatch"]] = m
-            for ki in range(len(stash_keys)):
-                row[len(COLUMNS) + 2 * len(offsets) + ki] = stash_offset[(ki, s, m)]
-            if a.kind is Kind.F and s > 0:
-                row[col["act_in"]] = act_slot[(r, (s, m))]
-            if a.kind in (Kind.B, Kind.I, Kind.W) and s < num_stages - 1:
-                row[col["grad_in"]] = grad_slot[(r, (s, m))]
-            # Where the output goes: F -> stage s+1's activation buffer; B/I -> stage s-1's gradient buffer.
-            if a.kind is Kind.F and s < num_stages - 1:
-                dst, buffer, key = rank_of[s + 1], "act", (s + 1, m)
-            elif a.kind in (Kind.B, Kind.I) and s > 0:
-                dst, buffer, key = rank_of[s - 1], "grad", (s - 1, m)
-            else:
-                continue
-            slot = act_slot[(dst, key)] if buffer == "act" else grad_slot[(dst, key)]
-            if dst == r:
-                row[col["local_" + buffer]] = slot
-            else:
-                k = offsets.index((dst - r) % num_ranks)
-                row[col["send"]] = k
-                table[dst, t, len(COLUMNS) + 2 * k + (0 if buffer == "act" else 1)] = slot
-
-    return TickProgram(
+    program = TickProgram(
         schedule=schedule,
         num_ticks=num_ticks,
         offsets=tuple(offsets),
@@ -321,7 +280,7 @@ def build_tick_program(
         cell_class=cell_class,
         local_stage=tuple(local_stage),
         branches=tuple(branches),
-        table=table,
+        table=np.zeros((0, 0, 0), np.int64),
         act_slots=act_slots,
         grad_slots=grad_slots,
         stash_keys=stash_keys,
@@ -334,3 +293,51 @@ def build_tick_program(
             tuple((p, q, c) for c in range(len(classes)) for p, q, _ in stash_items[(r, c)]) for r in range(num_ranks)
         ),
     )
+    if not with_table:
+        return program
+    return dataclasses.replace(program, table=_tick_table(program, stash_offset, act_slot, grad_slot))
+
+
+def _tick_table(program: TickProgram, stash_offset: dict, act_slot: dict, grad_slot: dict) -> np.ndarray:
+    """The per-(rank, tick) rows of a lowered schedule (see :data:`COLUMNS`), from its slot and arena
+    assignments: ``stash_offset[(arena, stage, mb)]``, ``act_slot``/``grad_slot[(rank, (stage, mb))]``."""
+    schedule, offsets, stash_keys = program.schedule, program.offsets, program.stash_keys
+    num_ranks, num_stages, rank_of = schedule.num_ranks, schedule.num_stages, schedule.stage_to_rank
+    act_trash, grad_trash = program.act_slots, program.grad_slots
+    width = len(COLUMNS) + 2 * len(offsets) + len(stash_keys)
+    table = np.zeros((num_ranks, program.num_ticks, width), np.int64)
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    table[:, :, col["send"]] = len(offsets)
+    table[:, :, col["local_act"]] = act_trash
+    table[:, :, col["local_grad"]] = grad_trash
+    for k in range(len(offsets)):
+        table[:, :, len(COLUMNS) + 2 * k] = act_trash
+        table[:, :, len(COLUMNS) + 2 * k + 1] = grad_trash
+
+    for a, t in lockstep_ticks(schedule).items():
+        s, m, r = a.stage, a.microbatch, rank_of[a.stage]
+        row = table[r, t]
+        row[col["branch"]] = 1 + program.branches.index((program.cell_class[(s, m)], a.kind))
+        row[col["local_stage"]] = program.local_stage[s]
+        row[col["microbatch"]] = m
+        for ki in range(len(stash_keys)):
+            row[len(COLUMNS) + 2 * len(offsets) + ki] = stash_offset[(ki, s, m)]
+        if a.kind is Kind.F and s > 0:
+            row[col["act_in"]] = act_slot[(r, (s, m))]
+        if a.kind in (Kind.B, Kind.I, Kind.W) and s < num_stages - 1:
+            row[col["grad_in"]] = grad_slot[(r, (s, m))]
+        # Where the output goes: F -> stage s+1's activation buffer; B/I -> stage s-1's gradient buffer.
+        if a.kind is Kind.F and s < num_stages - 1:
+            dst, buffer, key = rank_of[s + 1], "act", (s + 1, m)
+        elif a.kind in (Kind.B, Kind.I) and s > 0:
+            dst, buffer, key = rank_of[s - 1], "grad", (s - 1, m)
+        else:
+            continue
+        slot = act_slot[(dst, key)] if buffer == "act" else grad_slot[(dst, key)]
+        if dst == r:
+            row[col["local_" + buffer]] = slot
+        else:
+            k = offsets.index((dst - r) % num_ranks)
+            row[col["send"]] = k
+            table[dst, t, len(COLUMNS) + 2 * k + (0 if buffer == "act" else 1)] = slot
+    return table

@@ -26,13 +26,15 @@ def validate(schedule: Schedule) -> Schedule:
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate() takes a Schedule, got {type(schedule).__name__}")
-    if schedule.__dict__.get("_valid"):  # checked before: a Schedule is immutable
-        return schedule
+    schedule._memo("_valid", lambda: _check(schedule))  # checked once: a Schedule is immutable
+    return schedule
+
+
+def _check(schedule: Schedule) -> bool:
     _check_placement(schedule)
     _check_completeness(schedule)
     lockstep_ticks(schedule)
-    object.__setattr__(schedule, "_valid", True)
-    return schedule
+    return True
 
 
 def _check_placement(schedule: Schedule) -> None:
