@@ -9,13 +9,14 @@ from jaxmem._errors import JaxmemError
 from jaxmem._util import load_toml, parse_bytes, parse_int_list
 from jaxmem.schedule import Schedule, generate, load_csv, validate
 
-__all__ = ["TrainConfig", "add_arguments", "from_args", "parse_train_args"]
+__all__ = ["TrainConfig", "add_arguments", "from_args", "parse_mesh", "parse_train_args"]
 
 # Integer settings and their least value; the optional ones may also be None.
 _INTEGER_FIELDS = {
     "stages": 1,
     "microbatches": 1,
     "data_parallel": 1,
+    "fsdp": 1,
     "steps": 1,
     "seq_len": 1,
     "batch_size": 1,
@@ -49,8 +50,12 @@ class TrainConfig:
         stages: pipeline ranks P.
         microbatches: microbatches M per step.
         virtual: stages per rank for interleaved-1f1b.
-        data_parallel: data-parallel replicas D (devices used = D x P).
-        devices: virtual CPU devices to create when there is no accelerator (default D x P).
+        data_parallel: data-parallel replicas D holding whole parameters.
+        fsdp: data-parallel replicas F holding a shard of every parameter (FSDP), gathered per use;
+            devices used = D x F x P, and the batch is split over D x F replicas.
+        zero: shard the optimizer state and the step's gradients over the replicas (ZeRO-1/2; the
+            default; no effect with one replica).
+        devices: virtual CPU devices to create when there is no accelerator (default D x F x P).
         steps: optimizer steps.
         seq_len: tokens per sequence.
         batch_size: global batch (sequences per step); divisible by D x M.
@@ -112,6 +117,8 @@ class TrainConfig:
     microbatches: int = 8
     virtual: int | None = None
     data_parallel: int = 1
+    fsdp: int = 1
+    zero: bool = True
     devices: int | None = None
     steps: int = 300
     seq_len: int = 64
@@ -214,6 +221,16 @@ class TrainConfig:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
 
     @property
+    def replicas(self) -> int:
+        """Replicas the batch is split over: data-parallel x fsdp."""
+        return self.data_parallel * self.fsdp
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the run's mesh takes: data-parallel x fsdp x stages."""
+        return self.data_parallel * self.fsdp * self.stages
+
+    @property
     def model_name(self) -> str:
         from jaxmem.models import model_name
 
@@ -287,8 +304,26 @@ def add_arguments(p) -> None:
     g.add_argument("--microbatches", type=int, help="microbatches per step M (default 8)")
     g.add_argument("--virtual", type=int, help="stages per rank for interleaved-1f1b")
     g.add_argument("--layers-per-stage", help="explicit layer split, e.g. 3,3,2 (default balanced)")
-    g.add_argument("--data-parallel", type=int, help="data-parallel replicas D (default 1)")
-    g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x P)")
+    g.add_argument("--data-parallel", type=int, help="data-parallel replicas D holding whole parameters (default 1)")
+    g.add_argument(
+        "--fsdp",
+        type=int,
+        help="data-parallel replicas F that shard every parameter and gather it per use (FSDP; default 1)",
+    )
+    g.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="the mesh in one flag, e.g. data=2,fsdp=2,pipe=2 (sets --data-parallel, --fsdp and --stages)",
+    )
+    g.add_argument(
+        "--no-zero",
+        dest="zero",
+        action="store_false",
+        default=None,
+        help="keep the optimizer state whole on every replica (by default it and the step's gradients are "
+        "sharded over the data-parallel replicas: ZeRO-1/2)",
+    )
+    g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x F x P)")
     g.add_argument("--policy", help="memory policy: a preset name or a TOML file (see `jaxmem memory`)")
     g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
     g.add_argument("--budget", help="device memory per device for --plan auto, e.g. 12MiB, 24GiB")
@@ -346,7 +381,7 @@ def from_args(args) -> TrainConfig:
             name = key.replace("-", "_")
             if name == "csv":
                 name = "schedule_csv"
-            if name not in fields:
+            if name not in fields and name != "mesh":
                 raise JaxmemError(
                     f"{args.config}: unknown setting {key!r}; valid settings: {', '.join(sorted(fields))}"
                 )
@@ -355,6 +390,13 @@ def from_args(args) -> TrainConfig:
         flag_value = getattr(args, name, None)
         if flag_value is not None:
             values[name] = flag_value
+    mesh = values.pop("mesh", None) or getattr(args, "mesh", None)
+    if mesh:
+        for name, size in parse_mesh(mesh).items():
+            field = MESH_FIELDS[name]
+            if getattr(args, field, None) is not None:
+                raise JaxmemError(f"--mesh sets {name}; drop --{field.replace('_', '-')} (or --mesh)")
+            values[field] = size
     if isinstance(values.get("seq_len_schedule"), str):
         values["seq_len_schedule"] = parse_int_list(values["seq_len_schedule"], "--seq-len-schedule")
     if isinstance(values.get("budget"), str):
@@ -373,8 +415,35 @@ def from_args(args) -> TrainConfig:
     return TrainConfig(**values)
 
 
+# --mesh axis names and the settings they are.
+MESH_FIELDS = {"data": "data_parallel", "fsdp": "fsdp", "pipe": "stages"}
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``data=2,fsdp=2,pipe=2`` -> ``{"data": 2, "fsdp": 2, "pipe": 2}`` (axes left out are 1).
+
+    >>> parse_mesh("pipe=4,data=2")
+    {'data': 2, 'fsdp': 1, 'pipe': 4}
+    """
+    sizes = dict.fromkeys(MESH_FIELDS, 1)
+    seen = set()
+    for part in str(text).split(","):
+        name, eq, value = part.strip().partition("=")
+        name = name.strip()
+        if not eq or name not in MESH_FIELDS or not value.strip().isdigit() or int(value) < 1:
+            raise JaxmemError(
+                f"--mesh takes axis=size pairs over {', '.join(MESH_FIELDS)} with sizes >= 1, e.g. "
+                f"data=2,fsdp=2,pipe=2; got {text!r}"
+            )
+        if name in seen:
+            raise JaxmemError(f"--mesh names {name} twice: {text!r}")
+        seen.add(name)
+        sizes[name] = int(value)
+    return sizes
+
+
 # What --plan auto chooses (jaxmem.train's plan step); setting one of them as well is refused.
-_PLANNED = ("schedule", "schedule_csv", "stages", "data_parallel", "microbatches", "virtual", "policy")
+_PLANNED = ("schedule", "schedule_csv", "stages", "data_parallel", "fsdp", "microbatches", "virtual", "policy")
 
 
 def parse_train_args(argv) -> TrainConfig:

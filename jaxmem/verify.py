@@ -134,6 +134,8 @@ def verify(
     *,
     model=None,
     data_parallel: int = 1,
+    fsdp: int = 1,
+    zero: bool = True,
     policy=None,
     seed: int = 0,
     seq_len: int = 16,
@@ -149,7 +151,9 @@ def verify(
         schedule: any valid schedule.
         model: a StagedModel (used as is), a preset name (a small copy, :func:`verification_model`),
             or None for the tiny GPT's copy.
-        data_parallel: replicas.
+        data_parallel: replicas holding whole parameters.
+        fsdp: replicas holding a shard of each parameter (FSDP).
+        zero: shard the optimizer state and the returned gradients over the replicas.
         policy: a memory policy spec.
         seq_len, microbatch_size: the batch is ``data x microbatches x microbatch_size`` sequences.
         drop_layers: global indices of layers skipped (layer drop) in both computations.
@@ -166,18 +170,18 @@ def verify(
     if model is None or isinstance(model, str):
         model = verification_model(schedule.num_stages, model or "tiny")
     model = get_model(model)
-    devices = data_parallel * schedule.num_ranks
+    devices = data_parallel * fsdp * schedule.num_ranks
     if devices > jax.device_count():
         raise JaxmemError(
-            f"verifying needs data({data_parallel}) x pipe({schedule.num_ranks}) = {devices} devices, "
-            f"{jax.device_count()} available; on CPU pass --devices {devices}"
+            f"verifying needs data({data_parallel}) x fsdp({fsdp}) x pipe({schedule.num_ranks}) = {devices} "
+            f"devices, {jax.device_count()} available; on CPU pass --devices {devices}"
         )
     model.check_batch(seq_len)
     drop_layers = frozenset(drop_layers)
-    pipe = Pipeline(
-        model, schedule, make_mesh(data_parallel, schedule.num_ranks), policy=policy, drop_layers=drop_layers
-    )
-    size = data_parallel * schedule.num_microbatches * microbatch_size
+    mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp)
+    pipe = Pipeline(model, schedule, mesh, policy=policy, drop_layers=drop_layers, zero=zero)
+    replicas = data_parallel * fsdp
+    size = replicas * schedule.num_microbatches * microbatch_size
     params = model.init(seed)
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), 2)
     tokens = jax.random.randint(keys[0], (size, seq_len), 0, model.vocab_size or 256, dtype=jnp.int32)
@@ -191,7 +195,7 @@ def verify(
             "rng": rng,
             "layer_counts": pipe.layer_counts,
             "microbatches": schedule.num_microbatches,
-            "data_parallel": data_parallel,
+            "data_parallel": replicas,
         }
         if rng is not None
         else {}
@@ -243,6 +247,8 @@ def verify(
         "stages": schedule.num_stages,
         "microbatches": schedule.num_microbatches,
         "data_parallel": data_parallel,
+        "fsdp": fsdp,
+        "zero": zero and replicas > 1,
         "layers": model.n_layers,
         "drop_layers": sorted(drop_layers),
         "loss_mask": loss_mask,

@@ -35,6 +35,11 @@ CASES = [
     (["train", "--adaptive", "--budget", "1GiB", "--run-dir", "x"], "drop --run-dir or --adaptive"),
     (["roam", "analyze", "--loss-chunks", "5", "--seq-len", "32"], "pick --loss-chunks dividing --seq-len"),
     (["roam", "analyze", "--accumulate", "2", "--loss-chunks", "2"], "give one of them"),
+    (["train", "--mesh", "data=2,pipe"], "--mesh takes axis=size pairs"),
+    (["train", "--mesh", "pipe=2", "--stages", "2"], "--mesh sets pipe; drop --stages (or --mesh)"),
+    (["train", "--fsdp", "0"], "--fsdp must be an integer >= 1, got 0"),
+    (["verify", "--mesh", "data=2,data=2"], "--mesh names data twice"),
+    (["memory", "--mesh", "fsdp=2", "--fsdp", "2"], "--mesh sets fsdp; drop --fsdp (or --mesh)"),
 ]
 
 

@@ -38,6 +38,41 @@ positive_float = _number(float, 0.0, True, "a number > 0")
 non_negative_float = _number(float, 0.0, False, "a finite number >= 0")
 
 
+def add_mesh_arguments(p) -> None:
+    """``--data-parallel``, ``--fsdp``, ``--mesh`` and ``--no-zero`` (with ``--stages``, which the command
+    adds itself): the mesh of a command that builds one step, as ``jaxmem train`` takes it."""
+    p.add_argument(
+        "--data-parallel", type=positive_int, help="data-parallel replicas holding whole parameters (default 1)"
+    )
+    p.add_argument(
+        "--fsdp", type=positive_int, help="data-parallel replicas sharding every parameter (FSDP; default 1)"
+    )
+    p.add_argument("--mesh", metavar="AXES", help="e.g. data=2,fsdp=2,pipe=2 (sets --data-parallel, --fsdp, --stages)")
+    p.add_argument(
+        "--no-zero",
+        dest="zero",
+        action="store_false",
+        help="keep the optimizer state whole on every replica (default: sharded over them, ZeRO)",
+    )
+
+
+def resolve_mesh(args, stages: int = 4) -> None:
+    """Fold ``--mesh`` into ``args.data_parallel``, ``args.fsdp`` and ``args.stages`` (refusing a flag
+    that says the same twice) and fill the defaults (``stages`` pipeline ranks)."""
+    from jaxmem.config import MESH_FIELDS, parse_mesh
+
+    if getattr(args, "mesh", None):
+        for name, size in parse_mesh(args.mesh).items():
+            field = MESH_FIELDS[name]
+            given = getattr(args, field, None)
+            if given is not None:
+                raise JaxmemError(f"--mesh sets {name}; drop --{field.replace('_', '-')} (or --mesh)")
+            setattr(args, field, size)
+    args.data_parallel = args.data_parallel or 1
+    args.fsdp = args.fsdp or 1
+    args.stages = args.stages or stages
+
+
 def setup_devices(count: int | None) -> None:
     """Ask XLA for ``count`` virtual CPU devices, before JAX is imported.
 

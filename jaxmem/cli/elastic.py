@@ -57,10 +57,10 @@ def run(args) -> int:
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     config = parse_train_args(train_args)
-    if config.stages * config.data_parallel != args.devices:
+    if config.num_devices != args.devices:
         raise JaxmemError(
             f"--devices {args.devices} does not match the job's data({config.data_parallel}) x "
-            f"pipe({config.stages}) = {config.stages * config.data_parallel}"
+            f"pipe({config.stages}) = {config.num_devices}"
         )
     if args.devices % args.devices_per_proc:
         raise JaxmemError(f"--devices {args.devices} is not a multiple of --devices-per-proc {args.devices_per_proc}")

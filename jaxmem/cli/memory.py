@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxmem._util import parse_bytes
-from jaxmem.cli._common import positive_int, print_json, setup_devices
+from jaxmem.cli._common import add_mesh_arguments, positive_int, print_json, resolve_mesh, setup_devices
 
 _EPILOG = """\
 examples:
@@ -36,13 +36,13 @@ def add_parser(sub) -> None:
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     p.add_argument("--schedule", default="1f1b", help="schedule name (default 1f1b)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
-    p.add_argument("--stages", type=positive_int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--stages", type=positive_int, help="pipeline ranks P (default 4)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
     p.add_argument("--policy", default="save-all", help="policy preset or TOML file (default save-all)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default 32)")
     p.add_argument("--seq-len", type=positive_int, default=64, help="sequence length (default 64)")
-    p.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel replicas (default 1)")
+    add_mesh_arguments(p)
     p.add_argument(
         "--compile",
         choices=["auto", "yes", "no"],
@@ -79,6 +79,8 @@ def _config(args):
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         data_parallel=args.data_parallel,
+        fsdp=args.fsdp,
+        zero=args.zero,
         policy=args.policy,
         steps=1,
     )
@@ -97,9 +99,11 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
         batch=config.batch_size,
         seq=config.seq_len,
         data_parallel=config.data_parallel,
+        fsdp=config.fsdp,
+        zero=config.zero,
         layer_counts=config.layers_per_stage,
     )
-    devices = config.data_parallel * config.stages
+    devices = config.num_devices
     small = predicted.max_device_bytes * devices < 2 * 2**30
     if compile_mode == "yes" or (compile_mode == "auto" and small):
         from jaxmem.train import Trainer
@@ -302,8 +306,9 @@ def run(args) -> int:
     if args.output and not args.output.lower().endswith((".png", ".svg", ".pdf")):
         raise JaxmemError(f"cannot draw to {args.output!r}: use a .png, .svg or .pdf file name")
     budget = parse_bytes(args.budget, "--budget") if args.budget else None
+    resolve_mesh(args)
     config = _config(args)
-    setup_devices(config.data_parallel * config.stages)
+    setup_devices(config.num_devices)
     report = ledger_report(config, args.compile)
     if budget:
         report["budget_bytes"] = budget

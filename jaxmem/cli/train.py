@@ -46,11 +46,11 @@ def run(args) -> int:
     from jaxmem.config import from_args
 
     config = from_args(args)
-    setup_devices(config.devices or config.data_parallel * config.stages)
+    setup_devices(config.devices or config.num_devices)
     if config.plan == "auto" and not config.devices:
         import dataclasses
 
-        config = dataclasses.replace(config, devices=config.data_parallel * config.stages)
+        config = dataclasses.replace(config, devices=config.num_devices)
     maybe_initialize_distributed()
     from jaxmem.elastic import worker_hooks
     from jaxmem.train import train

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import positive_int, print_json, setup_devices
+from jaxmem.cli._common import add_mesh_arguments, positive_int, print_json, resolve_mesh, setup_devices
 
 _EPILOG = """\
 Run this before trusting a custom schedule, policy or model:
@@ -13,6 +13,7 @@ Run this before trusting a custom schedule, policy or model:
   jaxmem verify --schedule 1f1b --policy recompute-all
   jaxmem verify --model llama-tiny --schedule interleaved-1f1b --virtual 2
   jaxmem verify --model llama-tiny --dtype bfloat16 --loss-mask --drop-layers 1
+  jaxmem verify --model llama-tiny --mesh data=2,fsdp=2,pipe=2 --microbatches 4
 
 The model is a small copy of the preset (--model, default tiny) whose layers split evenly over the
 schedule's stages. Tolerances follow the compute dtype: float32 element-wise |pipelined - plain| <=
@@ -33,11 +34,11 @@ def add_parser(sub) -> None:
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     p.add_argument("--schedule", help="schedule name (see `jaxmem schedule list`)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
-    p.add_argument("--stages", type=positive_int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--stages", type=positive_int, help="pipeline ranks P (default 4)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
-    p.add_argument("--data-parallel", type=positive_int, default=1, help="data-parallel replicas (default 1)")
-    p.add_argument("--devices", type=positive_int, help="virtual CPU devices (default data x pipe)")
+    add_mesh_arguments(p)
+    p.add_argument("--devices", type=positive_int, help="virtual CPU devices (default data x fsdp x pipe)")
     p.add_argument("--policy", help="memory policy preset or TOML file")
     p.add_argument("--drop-layers", help="layers to skip in both computations (layer drop), e.g. 1,3")
     p.add_argument("--loss-mask", action="store_true", help="mask a random 30%% of the targets out of the loss")
@@ -49,6 +50,7 @@ def run(args) -> int:
     from jaxmem import schedule as sch
     from jaxmem._util import parse_int_list
 
+    resolve_mesh(args)
     if args.csv and args.schedule:
         raise sch.ScheduleError("give either --schedule NAME or --csv FILE, not both")
     if args.csv:
@@ -56,7 +58,7 @@ def run(args) -> int:
     else:
         schedule = sch.generate(args.schedule or "1f1b", args.stages, args.microbatches, args.virtual)
     drop = frozenset(parse_int_list(args.drop_layers, "--drop-layers")) if args.drop_layers else frozenset()
-    setup_devices(args.devices or args.data_parallel * schedule.num_ranks)
+    setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks)
     from jaxmem.verify import verification_model, verify
 
     overrides = {k: v for k, v in (("dtype", args.dtype), ("param_dtype", args.param_dtype)) if v}
@@ -65,6 +67,8 @@ def run(args) -> int:
         schedule,
         model=model,
         data_parallel=args.data_parallel,
+        fsdp=args.fsdp,
+        zero=args.zero,
         policy=args.policy,
         drop_layers=drop,
         loss_mask=args.loss_mask,
@@ -75,7 +79,8 @@ def run(args) -> int:
         status = "OK" if result["ok"] else "MISMATCH"
         print(
             f"{status}: {result['model']} ({result['dtype']}), {result['schedule']} (P={result['ranks']}, "
-            f"stages={result['stages']}, M={result['microbatches']}, data={result['data_parallel']}): max |diff| "
+            f"stages={result['stages']}, M={result['microbatches']}, data={result['data_parallel']}"
+            f"{', fsdp=' + str(result['fsdp']) if result['fsdp'] > 1 else ''}): max |diff| "
             f"{result['max_abs_diff']:.2e}, max relative {result['max_rel_diff']:.2e}, loss "
             f"{result['loss']:.6f} vs {result['loss_plain']:.6f} [{result['tolerance']}]"
             + ("" if result["ok"] else f"; first mismatch at {result['first_mismatch']}")

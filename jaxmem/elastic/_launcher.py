@@ -184,7 +184,7 @@ def launch(
     try:
         for attempt_index in range(max_restarts + 1):
             config = parse_train_args(args)
-            needed = config.stages * config.data_parallel
+            needed = config.num_devices
             if needed > current_nprocs * devices_per_proc:
                 raise JaxmemError(
                     f"the plan needs data({config.data_parallel}) x pipe({config.stages}) = {needed} devices "

@@ -285,6 +285,8 @@ def estimate(
     batch: int,
     seq: int,
     data_parallel: int = 1,
+    fsdp: int = 1,
+    zero: bool = True,
     layer_counts=None,
     drop_layers=frozenset(),
     hardware="h100",
@@ -321,12 +323,15 @@ def estimate(
             batch=batch,
             seq=seq,
             data_parallel=data_parallel,
+            fsdp=fsdp,
+            zero=zero,
             layer_counts=counts,
             drop_layers=drop_layers,
             facts=facts,
         )
     resolved = from_spec(policy).resolve(schedule, model.tags)
-    mb = batch // (data_parallel * schedule.num_microbatches)
+    replicas = data_parallel * fsdp
+    mb = batch // (replicas * schedule.num_microbatches)
     active = _active_counts(counts, drop_layers)
     costs = step_costs(model, schedule, resolved, active, microbatch=mb, seq=seq, hardware=hardware, facts=facts)
     simulation = simulate(schedule, costs)
@@ -334,7 +339,7 @@ def estimate(
     compute = simulation.makespan
     if hardware.cores:  # the CPU runs the lockstep executor, its devices sharing the cores
         compute = shared_core_step_seconds(
-            schedule, costs, data_parallel, hardware.cores, hardware.flops_per_second, hardware.lockstep
+            schedule, costs, replicas, hardware.cores, hardware.flops_per_second, hardware.lockstep
         )
     step = compute + transfers
     return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step)

@@ -28,7 +28,28 @@ import weakref
 
 import numpy as np
 
-__all__ = ["ModelFacts", "StageFacts", "model_facts"]
+__all__ = ["ModelFacts", "StageFacts", "StaticBytes", "model_facts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticBytes:
+    """Per-device bytes of the static state on a mesh, from the placement of every leaf
+    (:mod:`jaxmem.pipeline._placement`).
+
+    Attributes:
+        stage_params: per local stage position, its parameters (and the step's gradient accumulators).
+        shared_params: the embedding, head and other shared parameters.
+        stage_state / shared_state: one parameter-sized optimizer array (an Adam moment), as placed:
+            cut further over the replicas with ZeRO.
+        gathered: what FSDP adds while a stage runs: its weights gathered whole beyond the local
+            shard (and the shared ones'), once; the whole gradient before its reduce-scatter is as large.
+    """
+
+    stage_params: tuple[float, ...]
+    shared_params: float
+    stage_state: tuple[float, ...]
+    shared_state: float
+    gathered: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +93,12 @@ class StageFacts:
             a * self.backward_flops + b * other.backward_flops,
             a * self.recompute_flops + b * other.recompute_flops,
         )
+
+
+def _is_leaf_placement(x) -> bool:
+    from jaxmem.pipeline import LeafPlacement
+
+    return isinstance(x, LeafPlacement)
 
 
 def _tree_bytes(tree) -> int:
@@ -126,6 +153,43 @@ class ModelFacts:
 
     def stage_param_bytes(self, layers: int) -> float:
         return layers * self.layer_bytes
+
+    def static_bytes(
+        self, ranks: int, layers: int, virtual: int = 1, *, data: int = 1, fsdp: int = 1, zero: bool = True
+    ) -> StaticBytes:
+        """Per-device static bytes of the pipeline layout: ``ranks`` pipe ranks holding ``virtual``
+        stages of (at most) ``layers`` layers each, on a ``data x fsdp x ranks`` mesh."""
+        key = ("static", ranks, layers, virtual, data, fsdp, zero)
+        if key not in self._cache:
+            import jax
+
+            from jaxmem.pipeline import PipelineParams, placement_of
+
+            stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, layers, *a.shape), a.dtype), self._layer)
+            abstract = PipelineParams(stages=(stage,), shared=self._shared)
+            sizes = {"data": data, "fsdp": fsdp, "pipe": ranks}
+            placement = placement_of(abstract, sizes, zero=zero)
+
+            def per_device(tree, places, which):
+                return float(
+                    sum(
+                        p.device_elems(which, sizes) * np.dtype(a.dtype).itemsize
+                        for a, p in zip(jax.tree.leaves(tree), jax.tree.leaves(places, is_leaf=_is_leaf_placement))
+                    )
+                )
+
+            stage_params = per_device(stage, placement.stages[0], "params")
+            shared_params = per_device(self._shared, placement.shared, "params")
+            whole_stage = layers * self.layer_bytes
+            gathered = (whole_stage - stage_params) + (self.shared_bytes - shared_params) if fsdp > 1 else 0.0
+            self._cache[key] = StaticBytes(
+                stage_params=(stage_params,) * virtual,
+                shared_params=shared_params,
+                stage_state=(per_device(stage, placement.stages[0], "state"),) * virtual,
+                shared_state=per_device(self._shared, placement.shared, "state"),
+                gathered=float(gathered),
+            )
+        return self._cache[key]
 
     def whole(self, microbatch: int, seq: int) -> StageFacts:
         """The whole model as one stage under save-all (nothing recomputed): a plain step's facts."""

@@ -113,6 +113,8 @@ def predict(
     batch: int,
     seq: int,
     data_parallel: int = 1,
+    fsdp: int = 1,
+    zero: bool = True,
     layer_counts=None,
     optimizer_moments: int = 2,
     drop_layers=frozenset(),
@@ -125,7 +127,9 @@ def predict(
         schedule: any valid schedule.
         policy: a policy spec (save-all when None).
         batch, seq: global batch (sequences) and sequence length.
-        data_parallel: data-parallel replicas.
+        data_parallel: data-parallel replicas holding whole parameters.
+        fsdp: data-parallel replicas holding a shard of each parameter (FSDP).
+        zero: the optimizer state is sharded over the replicas (ZeRO).
         layer_counts: layers per stage (balanced when None).
         optimizer_moments: optimizer state per parameter, in parameter-sized arrays (Adam: 2).
         drop_layers: global indices of layers skipped this step (layer drop).
@@ -141,26 +145,26 @@ def predict(
     resolved = from_spec(policy).resolve(schedule, model.tags)
     counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
     M = schedule.num_microbatches
-    if batch % (data_parallel * M):
-        raise JaxmemError(f"batch {batch} is not divisible by data-parallel ({data_parallel}) x microbatches ({M})")
-    mb = batch // (data_parallel * M)
+    replicas = data_parallel * fsdp
+    if batch % (replicas * M):
+        raise JaxmemError(f"batch {batch} is not divisible by replicas ({replicas}) x microbatches ({M})")
+    mb = batch // (replicas * M)
     cells = cell_classes(schedule, counts, resolved, drop_layers)
     virtual = schedule.num_stages // schedule.num_ranks
-    stage_bytes = facts.stage_param_bytes(max(max(counts), 1))  # per local stage, padded to the most loaded
-    shared_bytes = facts.shared_bytes
     weights_host = [resolved.offload_weights(schedule.stages_of(0)[v]) for v in range(virtual)]
     opt_host = [resolved.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(virtual)]
+    static = facts.static_bytes(
+        schedule.num_ranks, max(max(counts), 1), virtual, data=data_parallel, fsdp=fsdp, zero=zero
+    )
 
-    params = Bytes(shared_bytes, 0) + Bytes(
-        sum(stage_bytes for v in range(virtual) if not weights_host[v]),
-        sum(stage_bytes for v in range(virtual) if weights_host[v]),
-    )
-    grads = Bytes(shared_bytes + virtual * stage_bytes, 0)
+    def split(per_stage, shared, on_host) -> Bytes:
+        host = sum(b for b, h in zip(per_stage, on_host) if h)
+        return Bytes(sum(per_stage) - host + shared, host)
+
+    params = split(static.stage_params, static.shared_params, weights_host)
+    grads = Bytes(sum(static.stage_params) + static.shared_params, 0)  # the step's accumulators
     k = optimizer_moments
-    optimizer = Bytes(k * shared_bytes, 0) + Bytes(
-        sum(k * stage_bytes for v in range(virtual) if not opt_host[v]),
-        sum(k * stage_bytes for v in range(virtual) if opt_host[v]),
-    )
+    optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
     class_sizes, full_volume, recomputed = {}, 0.0, 0.0
@@ -183,15 +187,20 @@ def predict(
     sizes = tuple(tuple(sorted(class_sizes[c].items())) for c in classes)
     stash_dev, stash_host, live, slot_out, act_slots, grad_slots = _stash_layout(schedule, classes, sizes, assignment)
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
-    inputs = 2 * (batch // data_parallel) * seq * 4
+    inputs = 2 * (batch // replicas) * seq * 4
     transient = messages + inputs + slot_out + BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
+    # FSDP: a running stage holds its gathered weights and their whole gradient before the
+    # reduce-scatter (and the embedding's / head's when it is the first or last).
+    transient += 2 * static.gathered
     # The update brings offloaded weights and optimizer state to the device (the train step's to_device)
     # after the backward, when the stash arenas are dead: that copy is the transient peak when it is
     # larger than the stash and the backward's working set together.
     update_copy = params.host + optimizer.host
     transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
-    return Ledger("predicted", ranks, _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source))
+    meta = _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source)
+    meta.update({"fsdp": fsdp, "zero": zero and replicas > 1})
+    return Ledger("predicted", ranks, meta)
 
 
 def _rank_ledgers(num_ranks, params, grads, optimizer, stash, transient, live) -> tuple[RankLedger, ...]:

@@ -4,6 +4,11 @@ from jaxmem.pipeline._executor import Pipeline as Pipeline
 from jaxmem.pipeline._executor import PipelineParams as PipelineParams
 from jaxmem.pipeline._executor import batch_spec as batch_spec
 from jaxmem.pipeline._executor import make_mesh as make_mesh
+from jaxmem.pipeline._placement import AXES as AXES
+from jaxmem.pipeline._placement import LeafPlacement as LeafPlacement
+from jaxmem.pipeline._placement import Placement as Placement
+from jaxmem.pipeline._placement import place_leaf as place_leaf
+from jaxmem.pipeline._placement import placement_of as placement_of
 from jaxmem.pipeline._residuals import ResidualPlan as ResidualPlan
 from jaxmem.pipeline._residuals import analyze_stage as analyze_stage
 from jaxmem.pipeline._residuals import emitted_tags as emitted_tags

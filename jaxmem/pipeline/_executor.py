@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
 from jaxmem.models import RNG_SPEC, StagedModel, microbatch_key, stage_key
+from jaxmem.pipeline._placement import AXES, LeafPlacement, Placement, _is_placement, placement_of
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
 from jaxmem.pipeline._split import split_layers, stack_stage_params, stage_forward, unstack_stage_params
 from jaxmem.pipeline._ticks import COLUMNS, StageClass, TickProgram, build_tick_program, cell_classes
@@ -34,26 +35,42 @@ from jaxmem.schedule import Kind, Schedule, validate
 
 __all__ = ["Pipeline", "PipelineParams", "batch_spec", "make_mesh", "varying_axes"]
 
-AXES = ("data", "pipe")
 HOST = "pinned_host"
 
 
-def make_mesh(data: int, pipe: int, devices: Sequence | None = None) -> Mesh:
-    """A ``("data", "pipe")`` mesh over the first ``data * pipe`` devices.
+def make_mesh(data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, fsdp: int = 1) -> Mesh:
+    """A ``("data", "fsdp", "pipe")`` mesh over the first ``data * fsdp * pipe`` devices.
+
+    ``data`` replicas hold whole parameters; ``fsdp`` replicas hold a shard of each and gather it per
+    use (see :mod:`jaxmem.pipeline._placement`); both split the batch.
 
     Raises:
         JaxmemError: when there are not enough devices, with the arithmetic.
     """
     devices = list(jax.devices() if devices is None else devices)
-    need = data * pipe
-    if data < 1 or pipe < 1:
-        raise JaxmemError(f"data ({data}) and pipe ({pipe}) must be >= 1")
+    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise JaxmemError(f"mesh axis sizes must be integers >= 1, got {bad}")
+    need = data * fsdp * pipe
     if need > len(devices):
+        shape = " x ".join(f"{k}({v})" for k, v in sizes.items() if v > 1 or k != "fsdp")
         raise JaxmemError(
-            f"data({data}) x pipe({pipe}) = {need} devices, but only {len(devices)} are available "
+            f"{shape} = {need} devices, but only {len(devices)} are available "
             f"({devices[0].platform}); on CPU, pass --devices {need} (virtual devices)"
         )
-    return Mesh(np.array(devices[:need]).reshape(data, pipe), AXES)
+    return Mesh(np.array(devices[:need]).reshape(data, fsdp, pipe), AXES)
+
+
+def _normalize_mesh(mesh: Mesh) -> Mesh:
+    """A ``("data", "pipe")`` mesh (jaxmem before the fsdp axis) as a ``("data", "fsdp", "pipe")`` one."""
+    names = tuple(mesh.axis_names)
+    if names == AXES:
+        return mesh
+    if names == ("data", "pipe"):
+        d, p = mesh.devices.shape
+        return Mesh(mesh.devices.reshape(d, 1, p), AXES)
+    raise JaxmemError(f"the mesh axes must be {AXES} (see jaxmem.pipeline.make_mesh), got {names}")
 
 
 @jax.tree_util.register_dataclass
@@ -64,8 +81,11 @@ class PipelineParams:
     Attributes:
         stages: one dict per local stage position ``v``; leaves ``[ranks, max layers, ...]`` sharded
             over ``pipe`` on the first axis (rank r's v-th stage).
-        shared: the model's parameters outside its layers (embeddings, final norm, head); replicated
-            (the first and last stages use them).
+        shared: the model's parameters outside its layers (embeddings, final norm, head), used by the
+            first and last stages.
+
+    How each leaf is cut over the mesh (and its optimizer state, and the step's gradients) is its
+    :class:`~jaxmem.pipeline.Placement`.
     """
 
     stages: tuple
@@ -152,11 +172,14 @@ class Pipeline:
         model: a :class:`~jaxmem.models.StagedModel` (or a preset name / config, see
             :func:`jaxmem.models.get_model`).
         schedule: any valid schedule.
-        mesh: axes ``("data", "pipe")``; ``pipe`` must equal the schedule's ranks.
+        mesh: axes ``("data", "fsdp", "pipe")`` (:func:`make_mesh`; a ``("data", "pipe")`` mesh is taken
+            as one with ``fsdp=1``); ``pipe`` must equal the schedule's ranks.
         layer_counts: layers per stage (balanced when omitted).
         policy: a memory policy spec (see :func:`jaxmem.policy.from_spec`), resolved against the
             model's declared tags; ``save-all`` by default.
         drop_layers: global indices of layers skipped (layer drop: a different program per set).
+        zero: shard the optimizer state and the step's gradients over the replicas (ZeRO-1/2; no
+            effect on one replica). The parameters are sharded by the mesh's ``fsdp`` axis.
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
     step (see ``examples/train_own_model.py``).
@@ -171,12 +194,12 @@ class Pipeline:
         layer_counts: Sequence[int] | None = None,
         policy=None,
         drop_layers: frozenset[int] = frozenset(),
+        zero: bool = True,
     ):
         from jaxmem.models import get_model
 
         validate(schedule)
-        if tuple(mesh.axis_names) != AXES:
-            raise JaxmemError(f"the mesh axes must be {AXES}, got {tuple(mesh.axis_names)}")
+        mesh = _normalize_mesh(mesh)
         if mesh.shape["pipe"] != schedule.num_ranks:
             raise JaxmemError(
                 f"the schedule has {schedule.num_ranks} ranks but the mesh's pipe axis has "
@@ -192,6 +215,7 @@ class Pipeline:
         self.policy: ResolvedPolicy = from_spec(policy).resolve(schedule, self.model.tags)
         self.virtual = per_rank.pop()
         self.drop_layers = frozenset(drop_layers)
+        self.zero = bool(zero)
         bad_drop = sorted(i for i in self.drop_layers if not 0 <= i < self.model.n_layers)
         if bad_drop:
             raise JaxmemError(f"dropped layers {bad_drop} are outside the model's layers 0..{self.model.n_layers - 1}")
@@ -214,32 +238,65 @@ class Pipeline:
 
     @property
     def data(self) -> int:
+        """Replicas holding whole parameters (the mesh's ``data`` axis)."""
         return self.mesh.shape["data"]
+
+    @property
+    def fsdp(self) -> int:
+        """Replicas holding a shard of the parameters (the mesh's ``fsdp`` axis)."""
+        return self.mesh.shape["fsdp"]
+
+    @property
+    def replicas(self) -> int:
+        """Replicas the batch is split over: ``data x fsdp``."""
+        return self.data * self.fsdp
 
     @property
     def pipe(self) -> int:
         return self.mesh.shape["pipe"]
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: self.mesh.shape[a] for a in AXES}
+
     def abstract_params(self) -> PipelineParams:
-        return jax.eval_shape(self.from_model_params, self.model.abstract_params())
+        if not hasattr(self, "_abstract"):
+            self._abstract = jax.eval_shape(self.from_model_params, self.model.abstract_params())
+        return self._abstract
+
+    @property
+    def placement(self) -> Placement:
+        """How every leaf of the parameters, the optimizer state and the gradients is cut over the mesh."""
+        if not hasattr(self, "_placement"):
+            self._placement = placement_of(self.abstract_params(), self.sizes, zero=self.zero)
+        return self._placement
+
+    def _named(self, which: str, on_host) -> PipelineParams:
+        placement = self.placement
+
+        def named(p: LeafPlacement, host: bool = False):
+            return NamedSharding(self.mesh, p.spec(which), memory_kind=HOST if host else None)
+
+        stages = tuple(
+            jax.tree.map(lambda p, v=v: named(p, on_host[v]), tree, is_leaf=_is_placement)
+            for v, tree in enumerate(placement.stages)
+        )
+        return PipelineParams(stages=stages, shared=jax.tree.map(named, placement.shared, is_leaf=_is_placement))
 
     def shardings(self, on_host: Sequence[bool] | None = None) -> PipelineParams:
-        """Target shardings: stage parameters split over ``pipe``, shared ones replicated.
+        """The parameters' shardings: stage leaves split over ``pipe`` (and cut by ``fsdp``), shared
+        ones on every pipe rank (cut by ``fsdp``).
 
         ``on_host[v]`` puts the v-th local stage on host (``pinned_host``); by default where the policy
-        offloads weights. Pass :attr:`optimizer_state_on_host` for the optimizer state's layout.
+        offloads weights.
         """
-        on_host = self.weights_on_host if on_host is None else tuple(on_host)
-        abstract = self.abstract_params()
-        stages = tuple(
-            jax.tree.map(
-                lambda _, v=v: NamedSharding(self.mesh, P("pipe"), memory_kind=HOST if on_host[v] else None),
-                tree,
-            )
-            for v, tree in enumerate(abstract.stages)
-        )
-        replicated = NamedSharding(self.mesh, P())
-        return PipelineParams(stages=stages, shared=jax.tree.map(lambda _: replicated, abstract.shared))
+        return self._named("params", self.weights_on_host if on_host is None else tuple(on_host))
+
+    def state_shardings(self, on_host: Sequence[bool] | None = None) -> PipelineParams:
+        """Shardings of the optimizer state (per parameter) and of the gradients the step returns: the
+        parameters' cut further over the replicas with ``zero``. ``on_host``: by default where the policy
+        offloads the optimizer state."""
+        return self._named("state", self.optimizer_state_on_host if on_host is None else tuple(on_host))
 
     def from_model_params(self, params) -> PipelineParams:
         """The model's own parameter tree (e.g. ``nnx.to_pure_dict(nnx.state(module, nnx.Param))``) ->
@@ -272,11 +329,12 @@ class Pipeline:
                 raise JaxmemError(
                     f"batch[{key!r}] has shape {leaf.shape}; every batch leaf must lead with the batch size {size}"
                 )
-        M, D = self.schedule.num_microbatches, self.data
+        M, D = self.schedule.num_microbatches, self.replicas
         if size % (D * M):
             ok = [D * M * k for k in range(1, 5)]
+            what = f"data-parallel ({self.data}) x fsdp ({self.fsdp})" if self.fsdp > 1 else f"data-parallel ({D})"
             raise JaxmemError(
-                f"batch size {size} is not divisible by data-parallel ({D}) x microbatches ({M}) = "
+                f"batch size {size} is not divisible by {what} x microbatches ({M}) = "
                 f"{D * M}; use a batch size in {ok}, ..."
             )
         self.model.check_batch(seq)
@@ -393,7 +451,7 @@ class Pipeline:
         tick, _ = self.program(spec)
         M = self.schedule.num_microbatches
         mb = self.check_batch(spec)
-        classes, pipe_size = tick.classes, self.pipe
+        classes, pipe_size, fsdp_size = tick.classes, self.pipe, self.fsdp
         col = {name: i for i, name in enumerate(COLUMNS)}
         keys, windows = tick.stash_keys, tick.window
         stash_cols = [tick.stash_column(ki) for ki in range(len(keys))]
@@ -412,32 +470,72 @@ class Pipeline:
 
         stage_ids = jnp.asarray([self.schedule.stages_of(r) for r in range(pipe_size)], jnp.int32)
         uses_rng = self.model.rng
+        placement, abstract = self.placement, self.abstract_params()
+        stage_places = [jax.tree.leaves(t, is_leaf=_is_placement) for t in placement.stages]
+        shared_places = jax.tree.leaves(placement.shared, is_leaf=_is_placement)
+        shared_treedef = jax.tree.structure(abstract.shared)
+
+        def gather(leaf, p: LeafPlacement, dropped: int = 0):
+            """A leaf whole over ``fsdp`` (``dropped``: leading dimensions the local value lacks)."""
+            dim = p.fsdp_dim
+            return leaf if dim is None else jax.lax.all_gather(leaf, "fsdp", axis=dim - dropped, tiled=True)
+
+        def scatter(grad, p: LeafPlacement, dropped: int = 0):
+            """A whole gradient summed over ``fsdp`` and cut back to this device's shard."""
+            dim = p.fsdp_dim
+            return (
+                grad if dim is None else jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim - dropped, tiled=True)
+            )
 
         def body(stage_params, shared, batch, table_local, rng):
             stage_params = tuple(_vary_tree(jax.tree.map(lambda a: a[0], tree)) for tree in stage_params)
             shared = _vary_tree(shared)
+            shared_leaves = jax.tree.leaves(shared)
             batch = jax.tree.map(lambda a: _vary(a.reshape(M, mb, *a.shape[1:])), batch)
             x_like = jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), message_spec)
             zero = _vary(jnp.zeros((), jnp.float32))
 
             def device_params(v):
-                return _to_device(stage_params[v]) if weights_on_host[v] else stage_params[v]
+                """Local stage ``v``'s parameters on the device, whole (gathered over ``fsdp``)."""
+                params = _to_device(stage_params[v]) if weights_on_host[v] else stage_params[v]
+                leaves, treedef = jax.tree.flatten(params)
+                return treedef.unflatten([gather(a, p, 1) for a, p in zip(leaves, stage_places[v])])
+
+            def whole_like(tree):
+                """Zeros of the whole (unsharded) shapes: for tracing, and for the shared leaves a stage
+                does not read (never materialised: nothing uses them)."""
+                return jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), tree)
+
+            def shared_for(plan: ResidualPlan):
+                """The shared leaves a stage reads, gathered; zeros (unused) for the others."""
+                leaves = [
+                    gather(a, p) if used else _vary(jnp.zeros(full.shape, full.dtype))
+                    for a, p, used, full in zip(
+                        shared_leaves, shared_places, plan.used_shared, jax.tree.leaves(abstract.shared)
+                    )
+                ]
+                return shared_treedef.unflatten(leaves)
 
             def with_key(micro, microbatch, local_stage):
                 """The microbatch with its stage's key (models that draw random numbers)."""
                 if not uses_rng:
                     return micro
-                key = microbatch_key(rng, jax.lax.axis_index("data"), microbatch, M)
+                replica = jax.lax.axis_index("data") * fsdp_size + jax.lax.axis_index("fsdp")
+                key = microbatch_key(rng, replica, microbatch, M)
                 stage = stage_ids[jax.lax.axis_index("pipe"), local_stage]
                 return {**micro, "rng": stage_key(key, stage)}
 
             first_mb = with_key(jax.tree.map(lambda a: a[0], batch), 0, 0)
             # Trace the residual plans again here, with this program's (varying) types.
+            whole_stages = [
+                whole_like(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t))
+                for t in abstract.stages
+            ]
             plans = [
                 analyze_stage(
                     self.stage_fn(c),
-                    device_params(c.local),
-                    shared,
+                    whole_stages[c.local],
+                    whole_like(abstract.shared),
                     x_like,
                     first_mb,
                     stash_to_host=self._stash_to_host(c),
@@ -455,6 +553,23 @@ class Pipeline:
                     tuple(_vary(jnp.zeros((), jnp.int32)) for _ in keys),
                 )
 
+            def accumulate(grads, shared_grads, local: int, plan: ResidualPlan, d_params, d_shared):
+                """Add a backward's gradients to the accumulators (cut to this device's fsdp shard)."""
+                grads = list(grads)
+                leaves, treedef = jax.tree.flatten(d_params)
+                acc = jax.tree.leaves(grads[local])
+                grads[local] = treedef.unflatten(
+                    [a + _vary(scatter(d, p, 1)) for a, d, p in zip(acc, leaves, stage_places[local])]
+                )
+                shared_acc = jax.tree.leaves(shared_grads)
+                shared_grads = shared_treedef.unflatten(
+                    [
+                        a + _vary(scatter(d, p)) if used else a
+                        for a, d, p, used in zip(shared_acc, jax.tree.leaves(d_shared), shared_places, plan.used_shared)
+                    ]
+                )
+                return tuple(grads), shared_grads
+
             # The arenas enter the switch read-only (so no branch copies them). A forward returns its
             # packed residuals padded to the arena's window, with their true length; the write happens
             # outside the switch as a scatter that drops everything past that length, so a smaller
@@ -467,8 +582,9 @@ class Pipeline:
 
                 def branch(arenas, offs, grads, shared_grads, totals, x_in, g_in, micro):
                     params = device_params(c.local)
+                    shared_in = shared_for(plan)
                     if kind is Kind.F:
-                        out, packed = plan.forward(params, shared, x_in, micro)
+                        out, packed = plan.forward(params, shared_in, x_in, micro)
                         windows_out, lengths = [], []
                         for key, w in zip(keys, windows):
                             vec = packed.get(key)
@@ -494,7 +610,7 @@ class Pipeline:
                         for key, arena, off in zip(keys, arenas, offs)
                         if key in plan.stash_elems
                     }
-                    pullback = plan.pullback(params, shared, x_like, micro, current)
+                    pullback = plan.pullback(params, shared_in, x_like, micro, current)
                     if c.last:
                         # Typed like the outputs (a constant weight varies over no mesh axis).
                         loss_aval, weight_aval = plan.out_avals
@@ -507,10 +623,7 @@ class Pipeline:
                     d_params, d_shared, d_x = pullback(ct)
                     message = x_like if c.first or kind is Kind.W else _vary_tree(d_x)
                     if kind is not Kind.I:
-                        grads = list(grads)
-                        grads[c.local] = jax.tree.map(lambda acc, d: acc + _vary(d), grads[c.local], d_params)
-                        grads = tuple(grads)
-                        shared_grads = jax.tree.map(lambda acc, d: acc + _vary(d), shared_grads, d_shared)
+                        grads, shared_grads = accumulate(grads, shared_grads, c.local, plan, d_params, d_shared)
                     return (message, *no_write(), grads, shared_grads, totals)
 
                 return branch
@@ -565,27 +678,48 @@ class Pipeline:
                 message_buffer(tick.grad_slots),
                 tuple(arena_buffer(k, n) for k, n in zip(keys, tick.arena_elems)),
                 tuple(jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), t) for t in stage_params),
-                jax.tree.map(jnp.zeros_like, shared),
+                jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), shared),
                 (zero, zero),
             )
             carry, _ = jax.lax.scan(tick_step, carry, table_local[0])
             _, _, _, grads, shared_grads, (loss_sum, weight) = carry
-            loss_sum = jax.lax.psum(jax.lax.psum(loss_sum, "pipe"), "data")
-            weight = jax.lax.psum(jax.lax.psum(weight, "pipe"), "data")
+            loss_sum = jax.lax.psum(loss_sum, AXES)
+            weight = jax.lax.psum(weight, AXES)
             scale = tokens_global / weight  # exactly 1 without a loss mask
 
-            def finish(g):
+            def finish(g, p: LeafPlacement):
+                """Sum a gradient over the leaf's replicas, reduce-scattering where its state is cut."""
+                for axis, dim in p.scatters():
+                    g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+                if p.sums():
+                    g = jax.lax.psum(g, p.sums())
                 return (g * scale).astype(g.dtype)
 
-            grads = tuple(jax.tree.map(lambda g: finish(jax.lax.psum(g, "data"))[None], t) for t in grads)
-            shared_grads = jax.tree.map(lambda g: finish(jax.lax.psum(jax.lax.psum(g, "pipe"), "data")), shared_grads)
+            grads = tuple(
+                jax.tree.unflatten(
+                    jax.tree.structure(t), [finish(g[None], p) for g, p in zip(jax.tree.leaves(t), places)]
+                )
+                for t, places in zip(grads, stage_places)
+            )
+            shared_grads = shared_treedef.unflatten(
+                [finish(g, p) for g, p in zip(jax.tree.leaves(shared_grads), shared_places)]
+            )
             return loss_sum / weight, grads, shared_grads
+
+        def specs(tree, which):
+            return jax.tree.map(lambda p: p.spec(which), tree, is_leaf=_is_placement)
 
         sharded = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(P("pipe"), P(), P("data"), P("pipe"), P()),
-            out_specs=(P(), P("pipe"), P()),
+            in_specs=(
+                specs(placement.stages, "params"),
+                specs(placement.shared, "params"),
+                P(("data", "fsdp")),
+                P("pipe"),
+                P(),
+            ),
+            out_specs=(P(), specs(placement.stages, "state"), specs(placement.shared, "state")),
         )
 
         def grad_fn(params: PipelineParams, batch: dict, rng=None):

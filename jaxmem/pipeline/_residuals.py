@@ -66,6 +66,8 @@ class ResidualPlan:
         sources: per residual, ``("param", i)``, ``("shared", j)``, ``("batch", k)``,
             ``("derived",)``, ``("literal", value)`` or ``("stash", StashedLeaf)``.
         stash_elems: per buffer ``(dtype, space)``, elements one microbatch stashes.
+        used_shared: per shared leaf, whether the stage reads it at all (the middle stages read none
+            of the embedding and head: they neither gather them nor add to their gradients).
     """
 
     closed: ClosedJaxpr
@@ -76,6 +78,7 @@ class ResidualPlan:
     n_shared: int
     sources: tuple
     stash_elems: dict
+    used_shared: tuple = ()
 
     def stash_bytes_by_buffer(self) -> dict[tuple[str, str], int]:
         return {key: n * np.dtype(key[0]).itemsize for key, n in self.stash_elems.items()}
@@ -226,7 +229,12 @@ def analyze_stage(stage_fn: Callable, params, shared, x, batch, *, stash_to_host
             sources.append(("stash", leaf))
         else:
             sources.append(("derived",))
+    used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)} | {
+        v for v in jaxpr.outvars if isinstance(v, Var)
+    }
+    shared_vars = invars[n_params : n_params + n_shared]
     return ResidualPlan(
+        used_shared=tuple(v in used for v in shared_vars),
         closed=closed,
         treedef=box["treedef"],
         out_tree=box["out_tree"],

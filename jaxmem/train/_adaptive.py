@@ -124,7 +124,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
         "schedule": trainer.schedule.name,
         "stages": config.stages,
         "microbatches": config.microbatches,
-        "devices": config.data_parallel * config.stages,
+        "devices": config.num_devices,
         "model": trainer.model.name,
         "adaptive": True,
         "budget_bytes": int(config.budget),

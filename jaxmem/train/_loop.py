@@ -34,7 +34,7 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
     from jaxmem.search import SearchError, search
 
     name = _hardware_name(config)
-    devices = config.devices or config.data_parallel * config.stages
+    devices = config.devices or config.num_devices
     result = search(
         config.build_model(),
         devices=devices,
@@ -94,7 +94,7 @@ def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:
     name = _hardware_name(config)
     hardware = get_hardware(name)
     # CPU: the calibrated rate is the whole machine's (virtual devices share its cores).
-    peak = hardware.peak_flops * (1 if name == "cpu" else config.data_parallel * config.stages)
+    peak = hardware.peak_flops * (1 if name == "cpu" else config.num_devices)
     hook = MetricsHook(
         config.run_dir,
         flops_per_step=model_flops_per_step(trainer.model, config.batch_size, config.seq_len),
@@ -254,8 +254,9 @@ def train(
         console.print(
             f"[bold]jaxmem train[/bold]: {trainer.model.name} ({trainer.model.param_count():,} params) on "
             f"{data}{tokenizer}, {trainer.schedule.name} P={config.stages} M={config.microbatches} "
-            f"stages={trainer.schedule.num_stages} data={config.data_parallel} on "
-            f"{config.data_parallel * config.stages} {jax.devices()[0].platform} devices; compiling...",
+            f"stages={trainer.schedule.num_stages} data={config.data_parallel}"
+            f"{f' fsdp={config.fsdp}' if config.fsdp > 1 else ''} on "
+            f"{config.num_devices} {jax.devices()[0].platform} devices; compiling...",
             highlight=False,
         )
     interactive = progress and console.is_terminal
@@ -343,7 +344,9 @@ def train(
         "pipeline_stages": trainer.schedule.num_stages,
         "microbatches": config.microbatches,
         "data_parallel": config.data_parallel,
-        "devices": config.data_parallel * config.stages,
+        "fsdp": config.fsdp,
+        "zero": config.zero and config.replicas > 1,
+        "devices": config.num_devices,
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
         "model": trainer.model.name,

@@ -88,15 +88,16 @@ class Trainer:
         self.config = config
         self.model = config.build_model()
         self.schedule = config.build_schedule()
-        self.mesh = make_mesh(config.data_parallel, config.stages, devices)
+        self.mesh = make_mesh(config.data_parallel, config.stages, devices, fsdp=config.fsdp)
         self.pipeline = Pipeline(
             self.model,
             self.schedule,
             self.mesh,
             layer_counts=config.layers_per_stage,
             policy=config.policy,
+            zero=config.zero,
         )
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
         self.pipeline.check_batch(self.batch_spec())
         self.optimizer = optimizer or make_optimizer(config)
         self.learning_rate = learning_rate(config) if optimizer is None else None
@@ -132,22 +133,32 @@ class Trainer:
         )
 
     def init_state(self, model_params=None) -> TrainState:
-        """Fresh (or given, in the model's layout) parameters, optimizer state, step 0."""
-        params = model_params if model_params is not None else self.model.init(self.config.seed)
-        host = jax.tree.map(np.asarray, jax.device_get(self.pipeline.from_model_params(params)))
-        placed = global_put(host, self.pipeline.shardings())
+        """Fresh (or given, in the model's layout) parameters, optimizer state, step 0.
+
+        Fresh parameters are drawn on the devices, each device computing only its own shards (no whole
+        copy anywhere); given ones are host values, the same on every process."""
+        pipeline = self.pipeline
+        if model_params is None:
+            seed = self.config.seed
+            placed = jax.jit(
+                lambda: pipeline.from_model_params(self.model.init(seed)), out_shardings=pipeline.shardings()
+            )()
+        else:
+            host = jax.tree.map(np.asarray, jax.device_get(pipeline.from_model_params(model_params)))
+            placed = global_put(host, pipeline.shardings())
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_state_shardings())(to_device(placed))
         return TrainState(params=placed, opt_state=opt_state, step=0, data=self.data_iterator())
 
     def opt_state_shardings(self):
-        """Optimizer-state shardings: like the parameters', on host where the policy offloads it."""
+        """Optimizer-state shardings: the pipeline's state shardings (the parameters', cut over the
+        replicas with ZeRO), on host where the policy offloads it."""
         abstract_params = self.pipeline.abstract_params()
         abstract_state = jax.eval_shape(self.optimizer.init, abstract_params)
         return optax.tree_map_params(
             self.optimizer,
             lambda _, s: s,
             abstract_state,
-            self.pipeline.shardings(self.pipeline.optimizer_state_on_host),
+            self.pipeline.state_shardings(),
             transform_non_params=lambda _: NamedSharding(self.mesh, P()),
         )
 
