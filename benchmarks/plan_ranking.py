@@ -111,9 +111,14 @@ def measured_step_seconds(config: TrainConfig, steps: int) -> float:
     return float(np.median(times))
 
 
-def terms(config: TrainConfig, hardware, stash_flops_per_byte: float) -> tuple[int, float, float]:
+def terms(
+    config: TrainConfig, hardware, stash_flops_per_byte: float, vocab_parallel: bool = False
+) -> tuple[int, float, float]:
     """The lockstep terms of a configuration on ``hardware`` (its FLOP costs, its cores), its stashed
-    bytes priced at ``stash_flops_per_byte`` (the one constant that enters the action costs)."""
+    bytes priced at ``stash_flops_per_byte`` (the one constant that enters the action costs).
+
+    ``vocab_parallel`` False: the recorded runs predate the vocabulary split over the pipe ranks (each
+    rank held the whole embedding and head), so they are priced as they ran."""
     schedule = config.build_schedule()
     lockstep = dataclasses.replace(hardware.lockstep, stash_flops_per_byte=stash_flops_per_byte)
     costs = estimate(
@@ -126,6 +131,7 @@ def terms(config: TrainConfig, hardware, stash_flops_per_byte: float) -> tuple[i
         layer_counts=config.layers_per_stage,
         hardware=dataclasses.replace(hardware, lockstep=lockstep),
         memory=False,
+        vocab_parallel=vocab_parallel,
     ).costs
     return shared_core_terms(schedule, costs, config.data_parallel, hardware.cores)
 

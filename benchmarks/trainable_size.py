@@ -58,6 +58,7 @@ def score(base, layers, schedule_name, virtual, policy, args, hardware):
         data=1,
         hardware=hardware,
         layer_counts=counts,
+        vocab_parallel=args.vocab_parallel,
     )
 
 
@@ -174,6 +175,14 @@ def main(argv=None):
         help="ChronosPipe variants keep per-layer throughput >= this fraction of 1F1B's",
     )
     parser.add_argument("--no-validate", action="store_true", help="skip the CPU compile check of the ledger")
+    parser.add_argument(
+        "--no-vocab-split",
+        dest="vocab_parallel",
+        action="store_false",
+        default=None,
+        help="keep the embedding and head whole on every rank (by default every method splits the vocabulary "
+        "over the pipe ranks, as jaxmem's pipeline does)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("-o", "--output", help="plot (.png)")
     args = parser.parse_args(argv)
@@ -240,7 +249,9 @@ def main(argv=None):
         return at_full["ChronosPipe (all)"]["per_layer_throughput"] / base_row["per_layer_throughput"]
 
     # 1F1B + full recompute at the depth full ChronosPipe reaches.
-    recompute_there = score(base, full["max_layers"], "1f1b", None, "recompute-all", args, hardware)
+    recompute_there = (
+        score(base, full["max_layers"], "1f1b", None, "recompute-all", args, hardware) if full["max_layers"] else None
+    )
     record = {
         "benchmark": "trainable_size",
         "budget_bytes": int(args.budget_gib * 2**30),
@@ -263,7 +274,9 @@ def main(argv=None):
         "chronos_vs_1f1b_throughput_ratio": (
             full["per_layer_throughput"] / one["per_layer_throughput"] if one["per_layer_throughput"] else None
         ),
-        "recompute_1f1b_at_chronos_depth": {
+        "recompute_1f1b_at_chronos_depth": None
+        if recompute_there is None
+        else {
             "layers": full["max_layers"],
             "fits": recompute_there.fits,
             "per_layer_throughput": recompute_there.tokens_per_second * full["max_layers"],
@@ -289,6 +302,8 @@ def main(argv=None):
         _plot(record, args.output)
     if args.json:
         print(json.dumps(record, indent=2))
+    elif record["recompute_1f1b_at_chronos_depth"] is None:
+        print("ChronosPipe fits no depth above the throughput floor")
     else:
         print(
             f"ChronosPipe vs 1F1B: {record['chronos_vs_1f1b_depth_ratio']:.2f}x depth at "

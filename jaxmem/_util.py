@@ -7,7 +7,15 @@ import tomllib
 
 from jaxmem._errors import JaxmemError
 
-__all__ = ["human_bytes", "load_toml", "parse_bytes", "parse_int_list", "with_host_devices"]
+__all__ = [
+    "human_bytes",
+    "load_toml",
+    "parse_bytes",
+    "parse_int_list",
+    "tree_with",
+    "tree_without",
+    "with_host_devices",
+]
 
 
 def load_toml(path: str) -> dict:
@@ -71,3 +79,25 @@ def with_host_devices(flags: str, count: int) -> str:
     (a user's own XLA flags must reach the processes a launcher starts)."""
     kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
     return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
+
+
+def tree_without(tree, path: tuple) -> dict:
+    """A copy of a nested dict without the entry at ``path`` (a parent left empty goes too, as it
+    does from the state of a module whose only child was that entry)."""
+    out = dict(tree)
+    if len(path) == 1:
+        out.pop(path[0], None)
+        return out
+    inner = tree_without(tree[path[0]], path[1:])
+    if inner:
+        out[path[0]] = inner
+    else:
+        out.pop(path[0])
+    return out
+
+
+def tree_with(tree, path: tuple, value) -> dict:
+    """A copy of a nested dict with ``value`` at ``path`` (missing parents created)."""
+    out = dict(tree)
+    out[path[0]] = value if len(path) == 1 else tree_with(tree.get(path[0], {}), path[1:], value)
+    return out

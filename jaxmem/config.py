@@ -39,7 +39,7 @@ class TrainConfig:
 
     Attributes:
         model: a model preset (``tiny``, ``gpt2-small``, ``gpt2-medium``, ``gpt2-xl``, ``llama-tiny``,
-            ``llama-1b``, ``llama-8b``), a GPTConfig / LlamaConfig, or any
+            ``llama-1b``, ``llama-8b``, ``llama-70b``), a GPTConfig / LlamaConfig, or any
             :class:`~jaxmem.models.StagedModel` (e.g. from :func:`~jaxmem.models.from_nnx`).
         dtype: compute dtype of a preset or config model (``bfloat16`` for mixed precision); None
             keeps the model's.
@@ -55,6 +55,8 @@ class TrainConfig:
             devices used = D x F x P, and the batch is split over D x F replicas.
         zero: shard the optimizer state and the step's gradients over the replicas (ZeRO-1/2; the
             default; no effect with one replica).
+        vocab_split: split the token embedding and the head over the pipe ranks by vocabulary rows
+            (the default, for models that declare their tables; no effect with one rank).
         devices: virtual CPU devices to create when there is no accelerator (default D x F x P).
         steps: optimizer steps.
         seq_len: tokens per sequence.
@@ -119,6 +121,7 @@ class TrainConfig:
     data_parallel: int = 1
     fsdp: int = 1
     zero: bool = True
+    vocab_split: bool = True
     devices: int | None = None
     steps: int = 300
     seq_len: int = 64
@@ -272,7 +275,8 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument(
         "--model",
-        help="model preset: tiny (default), gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b",
+        help="model preset: tiny (default), gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b, "
+        "llama-70b",
     )
     g.add_argument("--dtype", help="compute dtype, e.g. bfloat16 (mixed precision; default: the model's, float32)")
     g.add_argument("--param-dtype", help="parameter / gradient / optimizer-state dtype (default float32)")
@@ -322,6 +326,14 @@ def add_arguments(p) -> None:
         default=None,
         help="keep the optimizer state whole on every replica (by default it and the step's gradients are "
         "sharded over the data-parallel replicas: ZeRO-1/2)",
+    )
+    g.add_argument(
+        "--no-vocab-split",
+        dest="vocab_split",
+        action="store_false",
+        default=None,
+        help="keep the token embedding and the head whole on every pipe rank (by default their vocabulary "
+        "rows are split over the ranks)",
     )
     g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x F x P)")
     g.add_argument("--policy", help="memory policy: a preset name or a TOML file (see `jaxmem memory`)")

@@ -136,6 +136,7 @@ def verify(
     data_parallel: int = 1,
     fsdp: int = 1,
     zero: bool = True,
+    vocab_parallel: bool | None = None,
     policy=None,
     seed: int = 0,
     seq_len: int = 16,
@@ -154,6 +155,8 @@ def verify(
         data_parallel: replicas holding whole parameters.
         fsdp: replicas holding a shard of each parameter (FSDP).
         zero: shard the optimizer state and the returned gradients over the replicas.
+        vocab_parallel: split the vocabulary tables over the pipe ranks (default: where the model
+            declares them and there are several ranks).
         policy: a memory policy spec.
         seq_len, microbatch_size: the batch is ``data x microbatches x microbatch_size`` sequences.
         drop_layers: global indices of layers skipped (layer drop) in both computations.
@@ -179,7 +182,9 @@ def verify(
     model.check_batch(seq_len)
     drop_layers = frozenset(drop_layers)
     mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp)
-    pipe = Pipeline(model, schedule, mesh, policy=policy, drop_layers=drop_layers, zero=zero)
+    pipe = Pipeline(
+        model, schedule, mesh, policy=policy, drop_layers=drop_layers, zero=zero, vocab_parallel=vocab_parallel
+    )
     replicas = data_parallel * fsdp
     size = replicas * schedule.num_microbatches * microbatch_size
     params = model.init(seed)
@@ -202,7 +207,9 @@ def verify(
     )
     loss_plain, grads_plain = plain_value_and_grad(model, params, batch, drop_layers, **shape)
     loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), batch, rng)
-    grads = pipe.to_model_params(grads)
+    # On the host first: with the optimizer state offloaded the gradients come back in pinned host
+    # memory, where eager indexing is not supported.
+    grads = pipe.to_model_params(jax.device_get(grads))
     if perturb is not None:
         grads = perturb(grads)
 

@@ -315,6 +315,9 @@ def test_trainable_size_benchmark_runs_small():
             "--budget-gib",
             "0.01",  # 1F1B fits 8 layers: each depth tried builds its model, deeper ones cost more
             "--no-validate",
+            # At this width the split vocabulary's four sums per microbatch (priced on the H100's links)
+            # cost more than the tiny stages' compute, and ChronosPipe's extra hops fall under the floor.
+            "--no-vocab-split",
             "--json",
         ],
         capture_output=True,

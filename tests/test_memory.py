@@ -33,7 +33,14 @@ def test_closed_form_residuals_equal_the_executors_jaxpr(policy):
         by_space = plan.stash_bytes_by_buffer()
         measured = (by_space.get(("float32", "device"), 0), by_space.get(("float32", "host"), 0))
         predicted = stage_residual_bytes(
-            model.config, layers=c.layers, first=c.first, last=c.last, microbatch=2, seq=32, policy=bound
+            model.config,
+            layers=c.layers,
+            first=c.first,
+            last=c.last,
+            microbatch=2,
+            seq=32,
+            policy=bound,
+            vocab=pipe.vocab is not None,
         )
         assert measured == predicted, c
 

@@ -63,11 +63,15 @@ def trainers():
 def test_sharded_training_matches_replicated_and_holds_a_quarter(trainers):
     plain, sharded = trainers
     states = [t.init_state() for t in trainers]
-    # Parameters: half on each device (fsdp 2); Adam's moments: a quarter of the stages' (fsdp 2 x
-    # data 2) and an eighth of the shared ones' (x pipe 2).
-    whole_params, whole_opt = _device_bytes(states[0].params), _device_bytes(states[0].opt_state)
-    assert _device_bytes(states[1].params) == pytest.approx(whole_params / 2, rel=0.01)
-    assert whole_opt / 8 < _device_bytes(states[1].opt_state) < whole_opt / 4
+    # Parameters: the stages' and the shared ones' halved on each device (fsdp 2), the vocabulary's
+    # slices (1/P already) whole over fsdp; Adam's moments: a quarter of the stages' and the
+    # vocabulary's (fsdp 2 x data 2) and an eighth of the shared ones' (x pipe 2).
+    plain_state, sharded_state = states
+    for field, ratio in (("stages", 2), ("shared", 2), ("vocab", 1)):
+        whole = _device_bytes(getattr(plain_state.params, field))
+        assert _device_bytes(getattr(sharded_state.params, field)) == pytest.approx(whole / ratio, rel=0.01), field
+    whole_opt = _device_bytes(plain_state.opt_state)
+    assert whole_opt / 8 < _device_bytes(sharded_state.opt_state) < whole_opt / 4
     losses = [[], []]
     for i, t in enumerate(trainers):
         state = states[i]
@@ -98,3 +102,54 @@ def test_the_ledger_predicts_sharded_layouts(trainers):
     without_zero = predict(sharded.model, sharded.schedule, None, batch=16, seq=32, data_parallel=4, zero=False)
     ratio = without_zero.ranks[0].categories["optimizer_state"].device / row["optimizer_state"]["predicted_device"]
     assert 4 < ratio < 8  # stage moments over 4 replicas, shared ones over 4 replicas x 2 pipe ranks
+
+
+def test_checkpoints_are_written_from_shards_and_restore_onto_other_meshes(trainers, tmp_path):
+    """Saving holds nothing beyond the state's own shards (before: the whole model and both Adam
+    moments on every device); the step restores onto the same layout on another mesh (each device
+    reads its shard) and onto another stage split and vocabulary cut (re-laid out on the host), with
+    equal values and, again, only shards on the devices."""
+    from jaxmem.train import Checkpointer
+    from jaxmem.train._checkpoint import _device_hash
+
+    _, sharded = trainers
+    state = sharded.init_state()
+    state, _, _ = sharded.step(state)
+    held = _device_bytes((state.params, state.opt_state))
+    exported, meta = sharded.export_state(state)
+    assert _device_bytes(exported) <= held  # the very arrays: no gathered copy
+    # The checksums are computed on the devices, a leaf at a time: at most one leaf's temporary.
+    hashing = max(
+        _device_hash.lower(x).compile().memory_analysis().temp_size_in_bytes for x in jax.tree.leaves(exported)
+    )
+    assert hashing <= 0.25 * held, (hashing, held)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    ckpt.save(state.step, exported, meta)
+    ckpt.close()
+    reference = [np.asarray(x) for x in jax.tree.leaves(sharded.pipeline.to_model_params(state.params))]
+    base = dict(sharded.config.__dict__)
+    plans = [
+        dict(data_parallel=1, fsdp=2, devices=4),  # the same layout, half the replicas
+        dict(stages=4, data_parallel=2, fsdp=1, microbatches=4),  # another stage split and vocabulary cut
+    ]
+    for plan in plans:
+        trainer = Trainer(TrainConfig(**{**base, **plan}))
+        restored = Checkpointer(tmp_path / "ckpt").restore(trainer.restore_target())
+        resumed = trainer.import_state(restored.state, restored.meta)
+        fresh = trainer.init_state()
+        assert _device_bytes((resumed.params, resumed.opt_state)) == _device_bytes((fresh.params, fresh.opt_state))
+        for a, b in zip(jax.tree.leaves(trainer.pipeline.to_model_params(resumed.params)), reference):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        for got, want in zip(_moments(trainer, resumed.opt_state), _moments(sharded, state.opt_state), strict=True):
+            np.testing.assert_array_equal(got, want)
+        resumed, metrics, _ = trainer.step(resumed)
+        assert np.isfinite(float(metrics["loss"]))
+
+
+def _moments(trainer, opt_state) -> list:
+    """Every array of the optimizer state's per-parameter trees, in the model's layout, on the host."""
+    from jaxmem.pipeline import PipelineParams
+
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, PipelineParams))
+    trees = [trainer.pipeline.to_model_params(jax.device_get(n)) for n in nodes if isinstance(n, PipelineParams)]
+    return [np.asarray(x) for tree in trees for x in jax.tree.leaves(tree)]

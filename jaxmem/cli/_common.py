@@ -39,8 +39,9 @@ non_negative_float = _number(float, 0.0, False, "a finite number >= 0")
 
 
 def add_mesh_arguments(p) -> None:
-    """``--data-parallel``, ``--fsdp``, ``--mesh`` and ``--no-zero`` (with ``--stages``, which the command
-    adds itself): the mesh of a command that builds one step, as ``jaxmem train`` takes it."""
+    """``--data-parallel``, ``--fsdp``, ``--mesh``, ``--no-zero`` and ``--no-vocab-split`` (with
+    ``--stages``, which the command adds itself): the mesh of a command that builds one step, as
+    ``jaxmem train`` takes it."""
     p.add_argument(
         "--data-parallel", type=positive_int, help="data-parallel replicas holding whole parameters (default 1)"
     )
@@ -53,6 +54,12 @@ def add_mesh_arguments(p) -> None:
         dest="zero",
         action="store_false",
         help="keep the optimizer state whole on every replica (default: sharded over them, ZeRO)",
+    )
+    p.add_argument(
+        "--no-vocab-split",
+        dest="vocab_split",
+        action="store_false",
+        help="keep the token embedding and the head whole on every pipe rank (default: split by vocabulary rows)",
     )
 
 

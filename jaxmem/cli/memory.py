@@ -81,6 +81,7 @@ def _config(args):
         data_parallel=args.data_parallel,
         fsdp=args.fsdp,
         zero=args.zero,
+        vocab_split=args.vocab_split,
         policy=args.policy,
         steps=1,
     )
@@ -101,6 +102,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
         data_parallel=config.data_parallel,
         fsdp=config.fsdp,
         zero=config.zero,
+        vocab_parallel=None if config.vocab_split else False,
         layer_counts=config.layers_per_stage,
     )
     devices = config.num_devices

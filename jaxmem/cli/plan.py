@@ -14,12 +14,16 @@ examples:
   jaxmem plan --model llama-8b --dtype bfloat16 --devices 16 --budget 40GiB --seq-len 4096
   jaxmem train --plan auto --budget 12MiB          # plan, then train with the pick
 
-Searches pipeline sizes dividing the devices, schedules (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv,
-chronos), microbatch counts and policies (save-all, selective, recompute-all, Chronos-Recomp,
-Chronos-Offload and both), scores each with the predicted memory ledger and the schedule simulator
-on a hardware profile (h100, tpu-v5p, or cpu = measured on this machine), and returns the fastest
-that fits. Nothing is compiled: a model's residuals and FLOPs are traced abstractly (the GPT
-presets use their closed form). Exit code 1 when nothing fits, with the smallest budget that would."""
+Searches meshes of the devices (pipeline sizes, and the rest split between whole-parameter data
+replicas and FSDP shards; an FSDP-only layout without a pipeline is one candidate), schedules (gpipe,
+1f1b, interleaved-1f1b, zb-h1, zbv, chronos), microbatch counts and policies (save-all, selective,
+recompute-all, Chronos-Recomp, Chronos-Offload and both), scores each with the predicted memory
+ledger and the schedule simulator on a hardware profile (h100, tpu-v5p, or cpu = measured on this
+machine), and returns the fastest that fits. The optimizer state is sharded over the replicas (ZeRO)
+and the vocabulary over the pipe ranks; communication is priced on the profile's links. MFU = the
+model's FLOPs per token (forward and backward, recompute not counted) x tokens/s / (devices x peak).
+Nothing is compiled: a model's residuals and FLOPs are traced abstractly (the GPT presets use their
+closed form). Exit code 1 when nothing fits, with the smallest budget that would."""
 
 
 def add_parser(sub) -> None:
@@ -33,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. gpt2-xl, llama-8b)")
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
-    p.add_argument("--devices", type=positive_int, required=True, help="devices available (pipe x data)")
+    p.add_argument("--devices", type=positive_int, required=True, help="devices available (data x fsdp x pipe)")
     p.add_argument("--budget", required=True, help="device memory per device, e.g. 24GiB, 512MiB, 8e9")
     p.add_argument("--hardware", default="h100", help="h100 (default), tpu-v5p, or cpu (measured here)")
     p.add_argument("--host-bandwidth", type=positive_float, help="host link GB/s per device (overrides the profile)")
@@ -118,13 +122,31 @@ def run(args) -> int:
         param_dtype=args.param_dtype,
     )
     record = result.to_json()
-    record.update({"batch_size": batch, "seq_len": seq})
+    mfu = _mfu(result, batch, seq, args)
+    record.update({"batch_size": batch, "seq_len": seq, "mfu": mfu})
     if args.json:
         print_json(record)
     else:
-        for line in result.explain():
+        lines = result.explain()
+        if mfu is not None:
+            lines[0] += f", MFU {mfu:.1%}"
+        for line in lines:
             print(line)
         if result.best is not None and result.best.note:
             print(f"  policy detail: {result.best.note}")
         print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted")
     return 0 if result.best is not None else 1
+
+
+def _mfu(result, batch: int, seq: int, args) -> float | None:
+    """Model FLOPs utilisation of the pick: the model's FLOPs per token (no recompute) x its predicted
+    tokens/s over the devices' peak."""
+    if result.best is None:
+        return None
+    from jaxmem.memory import get_hardware, model_facts
+    from jaxmem.models import get_model
+
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("param_dtype", args.param_dtype)) if v}
+    whole = model_facts(get_model(args.model, **overrides)).whole(batch, seq)
+    per_token = (whole.forward_flops + whole.backward_flops - whole.recompute_flops) / (batch * seq)
+    return per_token * result.best.tokens_per_second / (args.devices * get_hardware(args.hardware).peak_flops)

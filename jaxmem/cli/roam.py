@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
     a.add_argument(
         "--model",
         default="tiny",
-        help="a model preset (tiny, gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b) or experts",
+        help="a model preset (tiny, gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b, "
+        "llama-70b) or experts",
     )
     a.add_argument("--batch", type=positive_int, help="batch size (default 4; 1024 for experts)")
     a.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's maximum)")

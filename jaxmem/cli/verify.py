@@ -69,6 +69,7 @@ def run(args) -> int:
         data_parallel=args.data_parallel,
         fsdp=args.fsdp,
         zero=args.zero,
+        vocab_parallel=None if args.vocab_split else False,
         policy=args.policy,
         drop_layers=drop,
         loss_mask=args.loss_mask,

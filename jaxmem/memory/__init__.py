@@ -11,6 +11,7 @@ from jaxmem.memory._cost import calibrate_cpu as calibrate_cpu
 from jaxmem.memory._cost import cpu_cores as cpu_cores
 from jaxmem.memory._cost import estimate as estimate
 from jaxmem.memory._cost import get_hardware as get_hardware
+from jaxmem.memory._cost import gradient_sync_seconds as gradient_sync_seconds
 from jaxmem.memory._cost import shared_core_step_seconds as shared_core_step_seconds
 from jaxmem.memory._cost import shared_core_terms as shared_core_terms
 from jaxmem.memory._cost import simulate_step as simulate_step

@@ -69,6 +69,7 @@ __all__ = [
     "cpu_cores",
     "estimate",
     "get_hardware",
+    "gradient_sync_seconds",
     "shared_core_step_seconds",
     "shared_core_terms",
     "simulate_step",
@@ -91,6 +92,11 @@ class Hardware:
             device computes on its own (accelerators). With cores set, step time follows the
             shared-core lockstep model (module docstring).
         lockstep: that model's constants (one process with virtual devices unless replaced).
+        link_bandwidth: bytes/s one device sends (and receives) to devices of its own node (NVLink,
+            ICI), achieved; None: communication is not priced apart (the CPU profile's lockstep
+            constants include the exchanges of its virtual devices).
+        network_bandwidth: bytes/s one device sends to devices of other nodes, achieved.
+        devices_per_node: devices sharing the fast link.
         note: where the figures come from.
     """
 
@@ -101,11 +107,38 @@ class Hardware:
     efficiency: float = 0.5
     cores: int | None = None
     lockstep: Lockstep = CPU_LOCKSTEP
+    link_bandwidth: float | None = None
+    network_bandwidth: float | None = None
+    devices_per_node: int = 8
     note: str = ""
 
     @property
     def flops_per_second(self) -> float:
         return self.peak_flops * self.efficiency
+
+    def group_bandwidth(self, size: int, stride: int) -> float | None:
+        """Bytes/s per device of a collective over ``size`` devices ``stride`` apart in device order
+        (the mesh's devices are ordered data, fsdp, pipe: pipe neighbours are adjacent): the node's
+        link when the group fits in one node, else the network. None: not priced."""
+        if self.link_bandwidth is None or size <= 1:
+            return None
+        if size * stride <= self.devices_per_node or self.network_bandwidth is None:
+            return self.link_bandwidth
+        return self.network_bandwidth
+
+    def collective_seconds(self, kind: str, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds of a ring collective over ``size`` devices on an array of ``nbytes`` (whole):
+        ``all_gather``/``reduce_scatter`` move ``(n-1)/n`` of it per device, ``all_reduce`` twice that,
+        ``send`` all of it once."""
+        bandwidth = self.group_bandwidth(size, stride)
+        if bandwidth is None or nbytes <= 0:
+            return 0.0
+        share = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}.get(kind)
+        if kind == "send":
+            return nbytes / bandwidth
+        if share is None:
+            raise JaxmemError(f"unknown collective {kind!r}")
+        return share * (size - 1) / size * nbytes / bandwidth
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,7 +150,11 @@ HARDWARE: dict[str, Hardware] = {
         peak_flops=989e12,
         hbm_bytes=80e9,
         host_bandwidth=55e9,
+        link_bandwidth=360e9,
+        network_bandwidth=40e9,
+        devices_per_node=8,
         note="H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3, PCIe Gen5 x16 host link (~55 GB/s achieved); "
+        "NVLink 4 450 GB/s per direction and one 400 Gb/s NIC per GPU, both taken at 80%, 8 GPUs a node; "
         "50% of peak assumed",
     ),
     "tpu-v5p": Hardware(
@@ -125,7 +162,10 @@ HARDWARE: dict[str, Hardware] = {
         peak_flops=459e12,
         hbm_bytes=95e9,
         host_bandwidth=50e9,
-        note="TPU v5p chip: 459 TFLOP/s bf16, 95 GB HBM2e; host link assumed 50 GB/s; 50% of peak assumed",
+        link_bandwidth=180e9,
+        devices_per_node=8960,
+        note="TPU v5p chip: 459 TFLOP/s bf16, 95 GB HBM2e; host link assumed 50 GB/s; ICI taken at 180 GB/s "
+        "per chip for a ring over one torus axis, a whole pod on ICI; 50% of peak assumed",
     ),
     # Calibrated on the 2-core development machine by benchmarks (calibrate_cpu); a starting value.
     "cpu": Hardware(
@@ -152,7 +192,18 @@ def get_hardware(name: str | Hardware) -> Hardware:
 
 
 def step_costs(
-    model, schedule: Schedule, resolved, layer_counts, *, microbatch: int, seq: int, hardware, facts=None
+    model,
+    schedule: Schedule,
+    resolved,
+    layer_counts,
+    *,
+    microbatch: int,
+    seq: int,
+    hardware,
+    facts=None,
+    vocab: bool = False,
+    data_parallel: int = 1,
+    fsdp: int = 1,
 ) -> Costs:
     """Costs for :func:`jaxmem.schedule.simulate`, in seconds on ``hardware``.
 
@@ -160,6 +211,19 @@ def step_costs(
     policy recomputes); I and W half the plain backward each, plus the recompute (each re-runs what it
     needs from the saved values). The policy's host-resident stash bytes are offloaded after F and
     prefetched before the backward.
+
+    With ``vocab`` (the vocabulary split over the ranks) the head's projection, forward and backward,
+    runs on every rank at once, a ``1/P`` slice each, whenever the last stage's F reaches it: each
+    rank's share of it over the step (``M`` slices) is spread over its F actions. (The executor
+    stops every rank for it at that tick; the simulator does not model that synchronisation.)
+
+    Communication, on profiles with links (:meth:`Hardware.collective_seconds`), as the executor
+    does it -- before or after the compute that needs it, not overlapped with it: each hop of an
+    activation or gradient to the next rank (the simulator's ``comm``); with ``fsdp``, a stage's
+    gather of its weights (and of the shared ones the first and last stages read) before each of
+    its actions and the reduce-scatter of their gradient after B and W; with ``vocab``, the four
+    sums over the pipe ranks per microbatch (rows, their gradient, the head's input and its
+    gradient), spread over the F actions like the head's FLOPs.
     """
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
@@ -180,7 +244,28 @@ def step_costs(
             policy=policy,
             microbatch=microbatch,
             seq=seq,
+            vocab=vocab,
         )
+
+    ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
+    message = facts.message_bytes(microbatch, seq)
+    # Each rank's share of the head's projection per F action (see the docstring), and of its sums.
+    head_share = 0.0
+    if vocab:
+        head_share = facts.vocab_flops(microbatch, seq) / rate / schedule.num_stages
+        head_share += 4 * hardware.collective_seconds("all_reduce", message, ranks) / virtual
+    shared_bytes = facts.stage_shared_bytes(vocab)
+
+    def fsdp_seconds(stage: int, kind: str) -> float:
+        if fsdp <= 1:
+            return 0.0
+        whole = layer_counts[stage] * facts.layer_bytes + (shared_bytes if stage in (0, last) else 0.0)
+        seconds = hardware.collective_seconds("all_gather", whole, fsdp, ranks)
+        if kind in ("B", "W"):
+            seconds += hardware.collective_seconds("reduce_scatter", whole, fsdp, ranks)
+        return seconds
+
+    gathers = {(s, k): fsdp_seconds(s, k) for s in range(schedule.num_stages) for k in "FBIW"}
 
     plain = [stage_facts(s, save_all) for s in range(schedule.num_stages)]
     forward_seconds = [f.forward_flops / rate for f in plain]
@@ -203,11 +288,12 @@ def step_costs(
     def extra(action: Action) -> float:
         recompute, device, host = cell(action.stage, action.microbatch)
         traffic = per_byte * (device + host) / 2
+        comm = gathers[(action.stage, action.kind.value)]
         if action.kind is Kind.F:
-            return traffic
+            return traffic + head_share + comm
         if action.kind is Kind.B:
-            return recompute + excess[action.stage] + traffic
-        return recompute + (excess[action.stage] + traffic) / 2
+            return recompute + excess[action.stage] + traffic + comm
+        return recompute + (excess[action.stage] + traffic) / 2 + comm
 
     any_host = any(
         resolved.stage_policy(s, m).offload or resolved.stage_policy(s, m).offload_stash
@@ -218,6 +304,7 @@ def step_costs(
         f=1.0,
         i=1.0,
         w=1.0,
+        comm=hardware.collective_seconds("send", message, ranks) if ranks > 1 else 0.0,
         stage_weights=tuple(forward_seconds),
         extra=extra,
         activation_fn=lambda s, m: cell(s, m)[1] + cell(s, m)[2],
@@ -247,6 +334,28 @@ def state_transfer_seconds(
     return seconds
 
 
+def gradient_sync_seconds(
+    facts, schedule: Schedule, layer_counts, hardware, *, data_parallel: int = 1, fsdp: int = 1, vocab: bool = False
+) -> float:
+    """Seconds of the step's gradient reduction after the pipeline and the parameters' return after the
+    update, on profiles with links: per stage leaf, a reduce-scatter over the replicas that hold it
+    whole and an all-gather of the new values (an all-reduce's traffic; ZeRO or not); the shared
+    leaves over every device, the vocabulary slices over the replicas. Not overlapped with the
+    backward: the executor reduces after its last tick."""
+    hardware = get_hardware(hardware)
+    ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
+    static = facts.static_bytes(
+        ranks, max(max(layer_counts), 1), virtual, data=data_parallel, fsdp=fsdp, zero=True, vocab=vocab
+    )
+    stride = fsdp * ranks  # the data axis's devices are fsdp x pipe apart
+    seconds = hardware.collective_seconds("all_reduce", sum(static.stage_params), data_parallel, stride)
+    shared = facts.stage_shared_bytes(vocab) / fsdp
+    seconds += hardware.collective_seconds("all_reduce", shared, data_parallel * ranks, fsdp)
+    tables = static.shared_params - shared
+    seconds += hardware.collective_seconds("all_reduce", tables, data_parallel * fsdp, ranks)
+    return seconds
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """Everything predicted about one configuration, without compiling.
@@ -256,8 +365,9 @@ class Estimate:
         costs: the per-action costs the simulation used (seconds on the hardware profile).
         simulation: the schedule simulated with those costs.
         step_seconds: the simulated makespan (on shared CPU cores: the lockstep model's step) plus
-            offloaded-state transfers.
-        state_transfer_seconds: the latter part.
+            offloaded-state transfers and the gradient synchronisation.
+        state_transfer_seconds: the offloaded-state transfers.
+        sync_seconds: the gradient synchronisation (:func:`gradient_sync_seconds`).
         tokens_per_second: ``batch * seq / step_seconds``.
     """
 
@@ -267,6 +377,7 @@ class Estimate:
     step_seconds: float
     state_transfer_seconds: float
     tokens_per_second: float
+    sync_seconds: float = 0.0
 
     @property
     def device_bytes(self) -> float:
@@ -287,6 +398,7 @@ def estimate(
     data_parallel: int = 1,
     fsdp: int = 1,
     zero: bool = True,
+    vocab_parallel: bool | None = None,
     layer_counts=None,
     drop_layers=frozenset(),
     hardware="h100",
@@ -305,7 +417,7 @@ def estimate(
     True
     """
     from jaxmem.memory._facts import model_facts
-    from jaxmem.memory._ledger import predict
+    from jaxmem.memory._ledger import predict, uses_vocab_split
     from jaxmem.models import get_model
     from jaxmem.pipeline import split_layers
     from jaxmem.policy import from_spec
@@ -325,15 +437,29 @@ def estimate(
             data_parallel=data_parallel,
             fsdp=fsdp,
             zero=zero,
+            vocab_parallel=vocab_parallel,
             layer_counts=counts,
             drop_layers=drop_layers,
             facts=facts,
         )
+    vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
     resolved = from_spec(policy).resolve(schedule, model.tags)
     replicas = data_parallel * fsdp
     mb = batch // (replicas * schedule.num_microbatches)
     active = _active_counts(counts, drop_layers)
-    costs = step_costs(model, schedule, resolved, active, microbatch=mb, seq=seq, hardware=hardware, facts=facts)
+    costs = step_costs(
+        model,
+        schedule,
+        resolved,
+        active,
+        microbatch=mb,
+        seq=seq,
+        hardware=hardware,
+        facts=facts,
+        vocab=vocab,
+        data_parallel=data_parallel,
+        fsdp=fsdp,
+    )
     simulation = simulate(schedule, costs)
     transfers = state_transfer_seconds(model, schedule, resolved, counts, hardware, facts=facts)
     compute = simulation.makespan
@@ -341,8 +467,9 @@ def estimate(
         compute = shared_core_step_seconds(
             schedule, costs, replicas, hardware.cores, hardware.flops_per_second, hardware.lockstep
         )
-    step = compute + transfers
-    return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step)
+    sync = gradient_sync_seconds(facts, schedule, counts, hardware, data_parallel=data_parallel, fsdp=fsdp, vocab=vocab)
+    step = compute + transfers + sync
+    return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step, sync)
 
 
 def shared_core_terms(schedule: Schedule, costs: Costs, data_parallel: int, cores: int) -> tuple[int, float, float]:

@@ -155,18 +155,30 @@ class ModelFacts:
         return layers * self.layer_bytes
 
     def static_bytes(
-        self, ranks: int, layers: int, virtual: int = 1, *, data: int = 1, fsdp: int = 1, zero: bool = True
+        self,
+        ranks: int,
+        layers: int,
+        virtual: int = 1,
+        *,
+        data: int = 1,
+        fsdp: int = 1,
+        zero: bool = True,
+        vocab: bool = False,
     ) -> StaticBytes:
         """Per-device static bytes of the pipeline layout: ``ranks`` pipe ranks holding ``virtual``
-        stages of (at most) ``layers`` layers each, on a ``data x fsdp x ranks`` mesh."""
-        key = ("static", ranks, layers, virtual, data, fsdp, zero)
+        stages of (at most) ``layers`` layers each, on a ``data x fsdp x ranks`` mesh (``vocab``: the
+        vocabulary tables split over the ranks; they count with the shared parameters)."""
+        key = ("static", ranks, layers, virtual, data, fsdp, zero, vocab)
         if key not in self._cache:
             import jax
 
-            from jaxmem.pipeline import PipelineParams, placement_of
+            from jaxmem.pipeline import PipelineParams, placement_of, split_vocab
 
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, layers, *a.shape), a.dtype), self._layer)
-            abstract = PipelineParams(stages=(stage,), shared=self._shared)
+            shared, tables = self._shared, {}
+            if vocab:
+                shared, tables = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, ranks), self._shared)
+            abstract = PipelineParams(stages=(stage,), shared=shared, vocab=tables)
             sizes = {"data": data, "fsdp": fsdp, "pipe": ranks}
             placement = placement_of(abstract, sizes, zero=zero)
 
@@ -179,14 +191,15 @@ class ModelFacts:
                 )
 
             stage_params = per_device(stage, placement.stages[0], "params")
-            shared_params = per_device(self._shared, placement.shared, "params")
+            shared_params = per_device(shared, placement.shared, "params")
             whole_stage = layers * self.layer_bytes
-            gathered = (whole_stage - stage_params) + (self.shared_bytes - shared_params) if fsdp > 1 else 0.0
+            gathered = (whole_stage - stage_params) + (_tree_bytes(shared) - shared_params) if fsdp > 1 else 0.0
             self._cache[key] = StaticBytes(
                 stage_params=(stage_params,) * virtual,
-                shared_params=shared_params,
+                shared_params=shared_params + per_device(tables, placement.vocab, "params"),
                 stage_state=(per_device(stage, placement.stages[0], "state"),) * virtual,
-                shared_state=per_device(self._shared, placement.shared, "state"),
+                shared_state=per_device(shared, placement.shared, "state")
+                + per_device(tables, placement.vocab, "state"),
                 gathered=float(gathered),
             )
         return self._cache[key]
@@ -201,41 +214,70 @@ class ModelFacts:
         )
 
     # ------------------------------------------------------------------ stages
-    def stage(self, *, first: bool, last: bool, layers: int, policy, microbatch: int, seq: int) -> StageFacts:
-        """Facts of one stage-microbatch (``policy``: a bound stage policy)."""
+    def stage(
+        self, *, first: bool, last: bool, layers: int, policy, microbatch: int, seq: int, vocab: bool = False
+    ) -> StageFacts:
+        """Facts of one stage-microbatch (``policy``: a bound stage policy; ``vocab``: the vocabulary is
+        split over the ranks, so the first stage starts from its looked-up rows and the last ends before
+        the head's projection, see :meth:`vocab_flops`)."""
         # Where weights and optimizer state live does not change a stage's residuals or FLOPs.
         policy = dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False)
-        per_sequence = self._per_sequence(first, last, layers, policy, seq)
+        vocab = bool(vocab) and (first or last)
+        per_sequence = self._per_sequence(first, last, layers, policy, seq, vocab)
         return per_sequence.scaled(microbatch)
 
-    def _per_sequence(self, first, last, layers, policy, seq) -> StageFacts:
-        key = ("stage", first, last, layers, policy, seq)
+    def _per_sequence(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
+        key = ("stage", first, last, layers, policy, seq, vocab)
         if key in self._cache:
             return self._cache[key]
         if self.gpt is not None:
-            facts = self._analytic(first, last, layers, policy, seq)
+            facts = self._analytic(first, last, layers, policy, seq, vocab)
         elif layers <= 2:
-            facts = self._traced(first, last, layers, policy, seq)
+            facts = self._traced(first, last, layers, policy, seq, vocab)
         else:
             # Identical layers: each adds what the second added to the first.
-            one = self._per_sequence(first, last, 1, policy, seq)
-            two = self._per_sequence(first, last, 2, policy, seq)
+            one = self._per_sequence(first, last, 1, policy, seq, vocab)
+            two = self._per_sequence(first, last, 2, policy, seq, vocab)
             facts = two.combine(one, layers - 1, -(layers - 2))
         self._cache[key] = facts
         return facts
 
-    def _analytic(self, first, last, layers, policy, seq) -> StageFacts:
+    # ------------------------------------------------------------------ the vocabulary split over the ranks
+    def vocab_shape(self) -> tuple[int, int]:
+        """``(vocab, d)`` of the model's token embedding (:class:`~jaxmem.models.VocabParallel`)."""
+        node = self._shared
+        for key in self.model.vocab.table:
+            node = node[key]
+        return int(node.shape[0]), int(node.shape[1])
+
+    def vocab_flops(self, microbatch: int, seq: int) -> float:
+        """FLOPs of the head's projection, forward and backward, for one microbatch: what the ranks share
+        when the vocabulary is split over them (the lookup's are nil)."""
+        vocab, d = self.vocab_shape()
+        return 6.0 * microbatch * seq * d * vocab
+
+    def vocab_transient(self, microbatch: int, seq: int, ranks: int) -> float:
+        """Bytes a rank holds while it computes its slice of the head: the float32 logits, their
+        exponentials and their gradient (``[microbatch, seq, vocab / ranks]`` each), the head's input
+        and its gradient, and the slice of the projection in the compute dtype."""
+        from jaxmem.pipeline import vocab_rows
+
+        vocab, d = self.vocab_shape()
+        rows = vocab_rows(vocab, ranks)
+        itemsize = np.dtype(self.model.vocab.dtype).itemsize
+        return 3.0 * microbatch * seq * rows * 4 + 2 * microbatch * seq * d * itemsize + rows * d * itemsize
+
+    def _analytic(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.memory._model import forward_flops, stage_counts
         from jaxmem.policy import PRESETS
 
         config = self.gpt
         dtype = np.dtype(config.dtype)
-        count = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=policy)
-        full = stage_counts(
-            config, layers=layers, first=first, last=last, seq=seq, policy=PRESETS["save-all"].bind(self.model.tags)
-        )
+        count = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=policy, vocab=vocab)
+        save_all = PRESETS["save-all"].bind(self.model.tags)
+        full = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=save_all, vocab=vocab)
         elems = {(dtype.name, "device"): count.device, (dtype.name, "host"): count.host}
-        forward = float(forward_flops(config, layers=layers, last=last, seq=seq))
+        forward = float(forward_flops(config, layers=layers, last=last and not vocab, seq=seq))
         return StageFacts(
             {k: v for k, v in elems.items() if v},
             float((full.device + full.host) * dtype.itemsize),
@@ -244,28 +286,47 @@ class ModelFacts:
             float(count.recompute_flops),
         )
 
-    def _traced_plan(self, first, last, layers, policy, seq):
+    def stage_shared_bytes(self, vocab: bool = False) -> float:
+        """Bytes of the shared parameters a stage takes (without the vocabulary tables when they are
+        split over the ranks)."""
+        return float(_tree_bytes(self._stage_shared(vocab)))
+
+    def _stage_shared(self, vocab: bool):
+        """The shared parameters a stage function takes: without the tables when they are split."""
+        if not vocab:
+            return self._shared
+        import jax
+
+        from jaxmem.pipeline import split_vocab
+
+        key = ("rest",)
+        if key not in self._cache:
+            self._cache[key] = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, 1)[0], self._shared)
+        return self._cache[key]
+
+    def _traced_plan(self, first, last, layers, policy, seq, vocab=False):
         import jax
 
         from jaxmem.pipeline import analyze_stage, stage_forward
 
-        key = ("plan", first, last, layers, policy, seq)
+        key = ("plan", first, last, layers, policy, seq, vocab)
         if key not in self._cache:
-            fn = policy.wrap(stage_forward(self.model, first=first, last=last, layers=layers))
+            fn = policy.wrap(stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab))
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
             x = self.message(1, seq)
-            plan = analyze_stage(fn, stage, self._shared, x, self.batch(1, seq), stash_to_host=policy.offload_stash)
+            shared = self._stage_shared(vocab)
+            plan = analyze_stage(fn, stage, shared, x, self.batch(1, seq), stash_to_host=policy.offload_stash)
             self._cache[key] = (plan, stage, x)
         return self._cache[key]
 
-    def _traced(self, first, last, layers, policy, seq) -> StageFacts:
+    def _traced(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.policy import PRESETS
 
-        plan, stage, x = self._traced_plan(first, last, layers, policy, seq)
+        plan, stage, x = self._traced_plan(first, last, layers, policy, seq, vocab)
         save_all = PRESETS["save-all"].bind(self.model.tags)
-        full_plan = plan if policy == save_all else self._traced_plan(first, last, layers, save_all, seq)[0]
-        forward, backward = self._flops(plan, stage, x, seq, last)
-        full_backward = backward if full_plan is plan else self._flops(full_plan, stage, x, seq, last)[1]
+        full_plan = plan if policy == save_all else self._traced_plan(first, last, layers, save_all, seq, vocab)[0]
+        forward, backward = self._flops(plan, stage, x, seq, vocab)
+        full_backward = backward if full_plan is plan else self._flops(full_plan, stage, x, seq, vocab)[1]
         return StageFacts(
             {k: v for k, v in plan.stash_elems.items() if v},
             float(full_plan.stash_bytes()),
@@ -274,14 +335,15 @@ class ModelFacts:
             max(backward - full_backward, 0.0),
         )
 
-    def _flops(self, plan, stage, x, seq, last) -> tuple[float, float]:
+    def _flops(self, plan, stage, x, seq, vocab=False) -> tuple[float, float]:
         """``cost_analysis()`` FLOPs of the lowered forward and pullback of a traced stage."""
         import jax
         import jax.numpy as jnp
         from jax.extend.core import jaxpr_as_fun
 
         batch = self.batch(1, seq)
-        flat = jax.tree.leaves(stage) + jax.tree.leaves(self._shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
+        shared = self._stage_shared(vocab)
+        flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
         packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items()}
         ct = jax.tree_util.tree_unflatten(
@@ -291,7 +353,7 @@ class ModelFacts:
         def backward_fn(stage, shared, batch, packed, ct):
             return plan.pullback(stage, shared, x, batch, packed)(ct)
 
-        backward = _cost_flops(jax.jit(backward_fn).lower(stage, self._shared, batch, packed, ct))
+        backward = _cost_flops(jax.jit(backward_fn).lower(stage, shared, batch, packed, ct))
         return forward, backward
 
 

@@ -115,6 +115,7 @@ def predict(
     data_parallel: int = 1,
     fsdp: int = 1,
     zero: bool = True,
+    vocab_parallel: bool | None = None,
     layer_counts=None,
     optimizer_moments: int = 2,
     drop_layers=frozenset(),
@@ -130,6 +131,8 @@ def predict(
         data_parallel: data-parallel replicas holding whole parameters.
         fsdp: data-parallel replicas holding a shard of each parameter (FSDP).
         zero: the optimizer state is sharded over the replicas (ZeRO).
+        vocab_parallel: the vocabulary tables are split over the pipe ranks (default: as the
+            :class:`~jaxmem.pipeline.Pipeline` does, when the model says where they are and P > 1).
         layer_counts: layers per stage (balanced when None).
         optimizer_moments: optimizer state per parameter, in parameter-sized arrays (Adam: 2).
         drop_layers: global indices of layers skipped this step (layer drop).
@@ -153,8 +156,9 @@ def predict(
     virtual = schedule.num_stages // schedule.num_ranks
     weights_host = [resolved.offload_weights(schedule.stages_of(0)[v]) for v in range(virtual)]
     opt_host = [resolved.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(virtual)]
+    vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
     static = facts.static_bytes(
-        schedule.num_ranks, max(max(counts), 1), virtual, data=data_parallel, fsdp=fsdp, zero=zero
+        schedule.num_ranks, max(max(counts), 1), virtual, data=data_parallel, fsdp=fsdp, zero=zero, vocab=vocab
     )
 
     def split(per_stage, shared, on_host) -> Bytes:
@@ -176,6 +180,7 @@ def predict(
             policy=resolved.variants[c.variant],
             microbatch=mb,
             seq=seq,
+            vocab=vocab,
         )
         class_sizes[c] = dict(stage.stash_elems)
         full_volume = max(full_volume, stage.full_bytes)
@@ -185,10 +190,17 @@ def predict(
     index = {c: i for i, c in enumerate(classes)}
     assignment = tuple(index[cells[key]] for key in sorted(cells))
     sizes = tuple(tuple(sorted(class_sizes[c].items())) for c in classes)
-    stash_dev, stash_host, live, slot_out, act_slots, grad_slots = _stash_layout(schedule, classes, sizes, assignment)
+    stash_dev, stash_host, live, slot_out, act_slots, grad_slots = _stash_layout(
+        schedule, classes, sizes, assignment, vocab
+    )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // replicas) * seq * 4
-    transient = messages + inputs + slot_out + BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
+    working = BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
+    if vocab:
+        # Every rank's slice of the head's logits and their gradient, after the tick's stage action
+        # (whose working set is dead by then): the larger of the two.
+        working = max(working, facts.vocab_transient(mb, seq, schedule.num_ranks))
+    transient = messages + inputs + slot_out + working
     # FSDP: a running stage holds its gathered weights and their whole gradient before the
     # reduce-scatter (and the embedding's / head's when it is the first or last).
     transient += 2 * static.gathered
@@ -199,7 +211,7 @@ def predict(
     transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
     meta = _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source)
-    meta.update({"fsdp": fsdp, "zero": zero and replicas > 1})
+    meta.update({"fsdp": fsdp, "zero": zero and replicas > 1, "vocab_parallel": vocab})
     return Ledger("predicted", ranks, meta)
 
 
@@ -215,8 +227,13 @@ def _rank_ledgers(num_ranks, params, grads, optimizer, stash, transient, live) -
     return tuple(RankLedger(rank=r, categories=dict(categories), live_stash_bytes=live[r]) for r in range(num_ranks))
 
 
-@functools.lru_cache(maxsize=1024)
-def _stash_layout(schedule, classes: tuple, sizes: tuple, assignment: tuple) -> tuple:
+def uses_vocab_split(model, ranks: int, vocab_parallel: bool | None = None) -> bool:
+    """Whether a pipeline of ``ranks`` splits the model's vocabulary over them (the Pipeline's default)."""
+    return model.vocab is not None and ranks > 1 and vocab_parallel is not False
+
+
+@functools.lru_cache(maxsize=4096)
+def _stash_layout(schedule, classes: tuple, sizes: tuple, assignment: tuple, head_grads: bool = False) -> tuple:
     """What the ledger reads from the lowered schedule: (device, host) stash arena bytes, each rank's
     own stash bytes, the bytes of one window-sized slot out of the switch, and the message slots.
 
@@ -228,7 +245,9 @@ def _stash_layout(schedule, classes: tuple, sizes: tuple, assignment: tuple) -> 
 
     keys = [(s, m) for s in range(schedule.num_stages) for m in range(schedule.num_microbatches)]
     cells = {key: classes[i] for key, i in zip(keys, assignment, strict=True)}
-    tick = build_tick_program(schedule, cells, dict(zip(classes, map(dict, sizes))), with_table=False)
+    tick = build_tick_program(
+        schedule, cells, dict(zip(classes, map(dict, sizes))), with_table=False, head_grads=head_grads
+    )
     stash_dev, stash_host, live = _arena_bytes(tick)
     slot_out = sum(w * np.dtype(key[0]).itemsize for key, w in zip(tick.stash_keys, tick.window))
     return stash_dev, stash_host, tuple(live), slot_out, tick.act_slots, tick.grad_slots

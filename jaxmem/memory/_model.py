@@ -108,9 +108,21 @@ def forward_flops(config, *, layers: int, last: bool, seq: int) -> int:
 
 
 def stage_residual_elements(
-    *, layers: int, first: bool, last: bool, d: int, f: int, heads: int, seq: int, vocab: int, policy: BoundStagePolicy
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    d: int,
+    f: int,
+    heads: int,
+    seq: int,
+    vocab: int,
+    policy: BoundStagePolicy,
+    split_vocab: bool = False,
 ) -> ResidualCount:
-    """Elements per sequence a stage stashes (device and host) under ``policy``."""
+    """Elements per sequence a stage stashes (device and host) under ``policy``; with ``split_vocab``
+    (the vocabulary split over the ranks) the first stage keeps its looked-up rows as a middle stage
+    keeps its input, and the last ends with the final norm (the projection runs outside it)."""
     sizes = _block_sizes(d, f, heads, seq)
     keep_tags = policy.save | policy.offload
 
@@ -138,7 +150,9 @@ def stage_residual_elements(
     def is_kept(value):
         name, _ = value
         if name == "stage_input":
-            return not first  # the first stage recomputes its input from token ids and the embedding
+            # The first stage recomputes its input from token ids and the embedding (unless the
+            # vocabulary is split: then its input is the looked-up rows, kept like any stage's).
+            return not first or split_vocab
         if name in ("mid", "h", "x_final"):
             return False
         if name == "in":
@@ -147,7 +161,7 @@ def stage_residual_elements(
 
     needed = [canonical((n, layer)) for layer in range(layers) for n in _BLOCK_NEEDS]
     if last:
-        needed += [("x_final", 0), ("h", 0), ("logits", 0)]
+        needed += [("x_final", 0)] if split_vocab else [("x_final", 0), ("h", 0), ("logits", 0)]
     kept: set = set()
     recomputed: set = set()
     _resolve(kept, recomputed, needed, deps, is_kept)
@@ -170,9 +184,12 @@ def stage_residual_elements(
     return ResidualCount(device=device, host=host, stage_input=stage_input, recompute_flops=flops)
 
 
-def stage_counts(config, *, layers: int, first: bool, last: bool, seq: int, policy: BoundStagePolicy) -> ResidualCount:
-    """:func:`stage_residual_elements` for a model config."""
+def stage_counts(
+    config, *, layers: int, first: bool, last: bool, seq: int, policy: BoundStagePolicy, vocab: bool = False
+) -> ResidualCount:
+    """:func:`stage_residual_elements` for a model config (``vocab``: split over the ranks)."""
     return stage_residual_elements(
+        split_vocab=vocab,
         layers=layers,
         first=first,
         last=last,
@@ -186,9 +203,17 @@ def stage_counts(config, *, layers: int, first: bool, last: bool, seq: int, poli
 
 
 def stage_residual_bytes(
-    config, *, layers: int, first: bool, last: bool, microbatch: int, seq: int, policy: BoundStagePolicy
+    config,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    microbatch: int,
+    seq: int,
+    policy: BoundStagePolicy,
+    vocab: bool = False,
 ) -> tuple[int, int]:
-    """(device, host) bytes one microbatch of a stage stashes."""
+    """(device, host) bytes one microbatch of a stage stashes (``vocab``: split over the ranks)."""
     itemsize = np.dtype(config.dtype).itemsize
-    count = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=policy)
+    count = stage_counts(config, layers=layers, first=first, last=last, seq=seq, policy=policy, vocab=vocab)
     return count.device * microbatch * itemsize, count.host * microbatch * itemsize

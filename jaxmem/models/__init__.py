@@ -5,6 +5,7 @@ from jaxmem.models._interface import EMBED_KEY as EMBED_KEY
 from jaxmem.models._interface import HEAD_KEY as HEAD_KEY
 from jaxmem.models._interface import RNG_SPEC as RNG_SPEC
 from jaxmem.models._interface import StagedModel as StagedModel
+from jaxmem.models._interface import VocabParallel as VocabParallel
 from jaxmem.models._interface import batch_positions as batch_positions
 from jaxmem.models._interface import from_nnx as from_nnx
 from jaxmem.models._interface import layer_batch as layer_batch

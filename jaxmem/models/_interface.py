@@ -30,10 +30,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import tree_with as _with
+from jaxmem._util import tree_without as _without
 from jaxmem.policy import TagSet
 
 __all__ = [
     "StagedModel",
+    "VocabParallel",
     "batch_positions",
     "check_config",
     "dtype_name",
@@ -163,6 +166,56 @@ def token_loss(logits: jax.Array, batch: Mapping) -> tuple[jax.Array, jax.Array]
     return -jnp.sum(picked * mask), jnp.sum(mask)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VocabParallel:
+    """Where a model's vocabulary tables are, so that a pipeline can split them over its ranks
+    (each rank holds ``1/P`` of the token embedding's rows and of the head's columns).
+
+    The pipeline then looks a microbatch's tokens up on every rank at once (each finds the rows it
+    holds; a sum over the ranks assembles them), and computes the head's logits, softmax
+    cross-entropy and their gradient on every rank for its slice of the vocabulary at once
+    (maxima, sums of exponentials and target logits summed over the ranks). The first stage starts
+    from the looked-up rows, the last ends before the head's projection.
+
+    Attributes:
+        table: path, in the shared parameters, of the token embedding ``[vocab, d]``.
+        head: path of the head's projection ``[d, vocab]``; None when the head is the embedding
+            (tied: ``logits = h @ table.T``).
+        embed: ``(shared, rows, batch) -> x``: the prologue after its lookup (``rows`` =
+            ``table[tokens]`` in ``dtype``; e.g. add position embeddings, scale).
+        hidden: ``(shared, x, batch) -> h``: the head up to its projection (e.g. the final norm).
+        dtype: the dtype the lookup and the projection compute in (logits are then taken in float32,
+            as :func:`token_loss` takes them).
+        softcap: logits soft-capping, ``softcap * tanh(logits / softcap)`` (Gemma 2); None for none.
+
+    The loss is :func:`token_loss`'s: next-token cross-entropy, masked by ``loss_mask``. With
+    :func:`from_nnx`, ``embed`` and ``hidden`` take the module (without its layers) in place of
+    ``shared``, and the paths are dotted strings (``"embed_tokens.embedding"``).
+    """
+
+    table: tuple[str, ...]
+    head: tuple[str, ...] | None
+    embed: Callable
+    hidden: Callable
+    dtype: str = "float32"
+    softcap: float | None = None
+
+    def __post_init__(self):
+        for field in ("table", "head"):
+            value = getattr(self, field)
+            if isinstance(value, str):
+                object.__setattr__(self, field, tuple(p for p in value.split(".") if p))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, "VocabParallel.dtype"))
+
+    @property
+    def tied(self) -> bool:
+        return self.head is None
+
+    def paths(self) -> dict[str, tuple[str, ...]]:
+        """``{"table": path}`` and, untied, ``{"head": path}``."""
+        return {"table": self.table} if self.tied else {"table": self.table, "head": self.head}
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class StagedModel:
     """A model as a pipeline sees it.
@@ -191,6 +244,9 @@ class StagedModel:
             (see :func:`layer_batch`), and every step must be given a key.
         logits: ``(params, batch) -> logits [batch, seq, vocab]`` of the whole model, for sampling
             (:func:`~jaxmem.models.generate`); None: the model cannot be sampled from.
+        vocab: where the vocabulary tables are (:class:`VocabParallel`), so that a pipeline splits
+            them over its ranks instead of keeping them whole on each; None: the embedding and head
+            are kept whole (and sharded only by ``fsdp`` and ZeRO).
     """
 
     name: str
@@ -209,6 +265,7 @@ class StagedModel:
     analytic: object = None
     rng: bool = False
     logits: Callable | None = None
+    vocab: VocabParallel | None = None
 
     def __post_init__(self):
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -323,6 +380,7 @@ def from_nnx(
     analytic: object = None,
     rng: bool = False,
     logits: Callable | None = None,
+    vocab: VocabParallel | None = None,
 ) -> StagedModel:
     """A :class:`StagedModel` from a Flax NNX module, using the module's own code for the math.
 
@@ -346,6 +404,9 @@ def from_nnx(
             and the pipelined step must be given one per step (``value_and_grad(params, batch, rng)``).
         logits: ``(module, batch) -> logits`` of the whole model, to sample from it
             (``jaxmem sample``, :func:`~jaxmem.models.generate`); optional.
+        vocab: where the vocabulary tables are, for a pipeline to split them over its ranks
+            (:class:`VocabParallel`, its ``embed`` and ``hidden`` taking the module without its layers);
+            optional: without it they are kept whole.
 
     Only ``nnx.Param`` variables are trained. A model with other stored state (batch statistics, RNG
     streams kept in the module) is refused with the variables named.
@@ -469,7 +530,32 @@ def from_nnx(
         def logits_fn(params, batch):
             return logits(nnx.merge(graphdef, params), batch)
 
+    vocab_split = None
+    if vocab is not None:
+        if not isinstance(vocab, VocabParallel):
+            raise JaxmemError(f"from_nnx: vocab takes a VocabParallel, got {type(vocab).__name__}")
+        shared_shapes = nnx.to_pure_dict(shell_params)
+        for what, where in vocab.paths().items():
+            try:
+                node = shared_shapes
+                for key in where:
+                    node = node[key]
+                ndim = len(node.shape)
+            except (KeyError, TypeError, AttributeError):
+                raise JaxmemError(
+                    f"from_nnx: vocab {what} {'.'.join(where)!r} is not a parameter of the model outside its layers"
+                ) from None
+            if ndim != 2:
+                raise JaxmemError(f"from_nnx: vocab {what} {'.'.join(where)!r} is not a matrix (it has {ndim} dims)")
+        module_embed, module_hidden = vocab.embed, vocab.hidden
+        vocab_split = dataclasses.replace(
+            vocab,
+            embed=lambda shared, rows, batch: module_embed(shell_module(shared), rows, batch),
+            hidden=lambda shared, x, batch: module_hidden(shell_module(shared), x, batch),
+        )
+
     staged = StagedModel(
+        vocab=vocab_split,
         name=name,
         n_layers=len(layer_modules),
         init=init,
@@ -491,24 +577,3 @@ def from_nnx(
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(params))
         object.__setattr__(staged, "_abstract_params", abstract_params)
     return staged
-
-
-def _without(tree: Mapping, path: tuple[str, ...]) -> dict:
-    """A copy of a nested dict without the entry at ``path`` (a parent left empty goes too, as it
-    does from the state of a module whose only child was that entry)."""
-    out = dict(tree)
-    if len(path) == 1:
-        out.pop(path[0], None)
-        return out
-    inner = _without(tree[path[0]], path[1:])
-    if inner:
-        out[path[0]] = inner
-    else:
-        out.pop(path[0])
-    return out
-
-
-def _with(tree: Mapping, path: tuple[str, ...], value) -> dict:
-    out = dict(tree)
-    out[path[0]] = value if len(path) == 1 else _with(tree.get(path[0], {}), path[1:], value)
-    return out

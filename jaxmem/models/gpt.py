@@ -14,7 +14,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models._interface import StagedModel, check_config, from_nnx, named_softmax, token_loss
+from jaxmem.models._interface import (
+    StagedModel,
+    VocabParallel,
+    check_config,
+    from_nnx,
+    named_softmax,
+    token_loss,
+)
 from jaxmem.policy import TagSet
 
 __all__ = ["GPT", "GPTConfig", "GPT_TAGS", "HEAD_TAGS", "PRESETS", "TAGS", "Block", "cross_entropy", "gpt"]
@@ -190,6 +197,18 @@ def gpt(config: GPTConfig, name: str = "gpt") -> StagedModel:
     def head_loss(module, x, batch):
         return token_loss(module.logits(x), batch)
 
+    def embed_rows(module, rows, batch):  # the prologue after the token lookup: add position embeddings
+        positions = batch.get("positions")
+        return rows + module.wpe(jnp.arange(rows.shape[1]) if positions is None else positions)
+
+    vocab = VocabParallel(
+        table="wte.embedding",
+        head=None if config.tied_head else "head.kernel",
+        embed=embed_rows,
+        hidden=lambda module, x, batch: module.ln_f(x),
+        dtype=config.dtype,
+    )
+
     def loss(module, batch):
         x = module.embed(batch["tokens"], batch.get("positions"))
         for block in module.blocks:
@@ -210,4 +229,5 @@ def gpt(config: GPTConfig, name: str = "gpt") -> StagedModel:
         config=config,
         analytic=config,
         logits=lambda module, batch: module(batch["tokens"]),
+        vocab=vocab,
     )

@@ -19,7 +19,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models._interface import StagedModel, batch_positions, check_config, from_nnx, named_softmax, token_loss
+from jaxmem.models._interface import (
+    StagedModel,
+    VocabParallel,
+    batch_positions,
+    check_config,
+    from_nnx,
+    named_softmax,
+    token_loss,
+)
 from jaxmem.policy import TagSet
 
 __all__ = ["LLAMA_TAGS", "Llama", "LlamaBlock", "LlamaConfig", "PRESETS", "llama", "rope"]
@@ -115,6 +123,17 @@ PRESETS: dict[str, LlamaConfig] = {
         n_kv_heads=8,
         n_layers=32,
         d_ff=14336,
+        rope_theta=500000.0,
+    ),
+    # Llama 3 70B's shape (published config).
+    "llama-70b": LlamaConfig(
+        vocab_size=128256,
+        max_seq_len=8192,
+        d_model=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        n_layers=80,
+        d_ff=28672,
         rope_theta=500000.0,
     ),
 }
@@ -243,4 +262,11 @@ def llama(config: LlamaConfig, name: str = "llama") -> StagedModel:
         max_seq_len=config.max_seq_len,
         config=config,
         logits=lambda module, batch: module(batch["tokens"], batch.get("positions")),
+        vocab=VocabParallel(
+            table="embed_tokens.embedding",
+            head=None if config.tied_head else "lm_head.kernel",
+            embed=lambda module, rows, batch: rows,
+            hidden=lambda module, x, batch: module.norm(x),
+            dtype=config.dtype,
+        ),
     )

@@ -12,9 +12,14 @@ from jaxmem.pipeline._placement import placement_of as placement_of
 from jaxmem.pipeline._residuals import ResidualPlan as ResidualPlan
 from jaxmem.pipeline._residuals import analyze_stage as analyze_stage
 from jaxmem.pipeline._residuals import emitted_tags as emitted_tags
+from jaxmem.pipeline._split import ParamLayout as ParamLayout
 from jaxmem.pipeline._split import split_layers as split_layers
 from jaxmem.pipeline._split import stage_forward as stage_forward
+from jaxmem.pipeline._split import vocab_size as vocab_size
 from jaxmem.pipeline._ticks import StageClass as StageClass
 from jaxmem.pipeline._ticks import TickProgram as TickProgram
 from jaxmem.pipeline._ticks import build_tick_program as build_tick_program
 from jaxmem.pipeline._ticks import cell_classes as cell_classes
+from jaxmem.pipeline._vocab import join_vocab as join_vocab
+from jaxmem.pipeline._vocab import split_vocab as split_vocab
+from jaxmem.pipeline._vocab import vocab_rows as vocab_rows

@@ -26,9 +26,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
 from jaxmem.models import RNG_SPEC, StagedModel, microbatch_key, stage_key
+from jaxmem.pipeline import _vocab
 from jaxmem.pipeline._placement import AXES, LeafPlacement, Placement, _is_placement, placement_of
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
-from jaxmem.pipeline._split import split_layers, stack_stage_params, stage_forward, unstack_stage_params
+from jaxmem.pipeline._split import ParamLayout, split_layers, stage_forward
+from jaxmem.pipeline._split import vocab_size as _vocab_size
 from jaxmem.pipeline._ticks import COLUMNS, StageClass, TickProgram, build_tick_program, cell_classes
 from jaxmem.policy import ResolvedPolicy, from_spec
 from jaxmem.schedule import Kind, Schedule, validate
@@ -83,6 +85,9 @@ class PipelineParams:
             over ``pipe`` on the first axis (rank r's v-th stage).
         shared: the model's parameters outside its layers (embeddings, final norm, head), used by the
             first and last stages.
+        vocab: with the vocabulary split over the ranks (:class:`~jaxmem.models.VocabParallel`), the
+            token embedding (``table``) and the untied head (``head``, transposed) as ``[ranks, vocab /
+            ranks, d]``, sharded over ``pipe`` (and then absent from ``shared``); else empty.
 
     How each leaf is cut over the mesh (and its optimizer state, and the step's gradients) is its
     :class:`~jaxmem.pipeline.Placement`.
@@ -90,6 +95,7 @@ class PipelineParams:
 
     stages: tuple
     shared: dict
+    vocab: dict = dataclasses.field(default_factory=dict)
 
 
 def varying_axes(x) -> frozenset:
@@ -180,6 +186,9 @@ class Pipeline:
         drop_layers: global indices of layers skipped (layer drop: a different program per set).
         zero: shard the optimizer state and the step's gradients over the replicas (ZeRO-1/2; no
             effect on one replica). The parameters are sharded by the mesh's ``fsdp`` axis.
+        vocab_parallel: split the vocabulary tables over the pipe ranks (see
+            :mod:`jaxmem.pipeline._vocab`); by default when the model says where they are
+            (``StagedModel.vocab``) and there are several ranks.
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
     step (see ``examples/train_own_model.py``).
@@ -195,6 +204,7 @@ class Pipeline:
         policy=None,
         drop_layers: frozenset[int] = frozenset(),
         zero: bool = True,
+        vocab_parallel: bool | None = None,
     ):
         from jaxmem.models import get_model
 
@@ -216,6 +226,13 @@ class Pipeline:
         self.virtual = per_rank.pop()
         self.drop_layers = frozenset(drop_layers)
         self.zero = bool(zero)
+        if vocab_parallel and self.model.vocab is None:
+            raise JaxmemError(
+                f"model {self.model.name} does not say where its vocabulary tables are (StagedModel.vocab / "
+                "from_nnx(..., vocab=VocabParallel(...))), so they cannot be split over the ranks"
+            )
+        use_vocab = self.model.vocab is not None and mesh.shape["pipe"] > 1 and vocab_parallel is not False
+        self.vocab = self.model.vocab if use_vocab else None
         bad_drop = sorted(i for i in self.drop_layers if not 0 <= i < self.model.n_layers)
         if bad_drop:
             raise JaxmemError(f"dropped layers {bad_drop} are outside the model's layers 0..{self.model.n_layers - 1}")
@@ -281,7 +298,11 @@ class Pipeline:
             jax.tree.map(lambda p, v=v: named(p, on_host[v]), tree, is_leaf=_is_placement)
             for v, tree in enumerate(placement.stages)
         )
-        return PipelineParams(stages=stages, shared=jax.tree.map(named, placement.shared, is_leaf=_is_placement))
+        return PipelineParams(
+            stages=stages,
+            shared=jax.tree.map(named, placement.shared, is_leaf=_is_placement),
+            vocab=jax.tree.map(named, placement.vocab, is_leaf=_is_placement),
+        )
 
     def shardings(self, on_host: Sequence[bool] | None = None) -> PipelineParams:
         """The parameters' shardings: stage leaves split over ``pipe`` (and cut by ``fsdp``), shared
@@ -298,21 +319,21 @@ class Pipeline:
         offloads the optimizer state."""
         return self._named("state", self.optimizer_state_on_host if on_host is None else tuple(on_host))
 
+    @property
+    def param_layout(self) -> ParamLayout:
+        """Where this pipeline keeps the model's parameters (what a checkpoint records and restores by)."""
+        return ParamLayout(
+            tuple(self.schedule.stage_to_rank), tuple(self.layer_counts), self.pipe if self.vocab is not None else 0
+        )
+
     def from_model_params(self, params) -> PipelineParams:
         """The model's own parameter tree (e.g. ``nnx.to_pure_dict(nnx.state(module, nnx.Param))``) ->
         pipeline layout."""
-        layers, shared = self.model.split(params)
-        if len(layers) != self.model.n_layers:
-            raise JaxmemError(
-                f"the parameters hold {len(layers)} layers; model {self.model.name} has {self.model.n_layers}"
-            )
-        stages = stack_stage_params(layers, self.layer_counts, self.schedule.stage_to_rank)
-        return PipelineParams(stages=stages, shared=shared)
+        return PipelineParams(*self.param_layout.split(self.model, params))
 
     def to_model_params(self, params: PipelineParams):
         """Pipeline layout -> the model's parameter tree (e.g. to compare with ``jax.grad``)."""
-        layers = unstack_stage_params(params.stages, self.layer_counts, self.schedule.stage_to_rank)
-        return self.model.join(layers, params.shared)
+        return self.param_layout.join(self.model, params.stages, params.shared, params.vocab)
 
     def place(self, params: PipelineParams) -> PipelineParams:
         """Put parameters on the mesh with their target shardings."""
@@ -342,8 +363,12 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the program
     def stage_fn(self, c: StageClass, *, checkpointed: bool = True):
-        """The stage function of a class, wrapped in its policy's ``jax.checkpoint``."""
-        fn = stage_forward(self.model, first=c.first, last=c.last, layers=c.layers, skip=c.skip)
+        """The stage function of a class, ``fn(stage_params, shared, x, batch)`` with ``shared`` as the
+        pipeline holds it (without the vocabulary tables when they are split), wrapped in its policy's
+        ``jax.checkpoint``."""
+        fn = stage_forward(
+            self.model, first=c.first, last=c.last, layers=c.layers, skip=c.skip, vocab=self.vocab is not None
+        )
         return self.policy.variants[c.variant].wrap(fn) if checkpointed else fn
 
     def _stash_to_host(self, c: StageClass) -> bool:
@@ -371,8 +396,9 @@ class Pipeline:
 
     def message_spec(self, batch):
         """What one stage sends the next for a batch: the model's embedding output, abstract."""
-        shared = self.abstract_params().shared
-        return jax.eval_shape(self.model.embed, shared, self.microbatch_spec(batch))
+        return jax.eval_shape(
+            self.model.embed, self.model.split(self.model.abstract_params())[1], self.microbatch_spec(batch)
+        )
 
     def _check_tags(self, abstract: PipelineParams, message, micro) -> None:
         """Every tag the model's stage functions emit must be declared (a policy would silently
@@ -399,7 +425,7 @@ class Pipeline:
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
         micro = self.microbatch_spec(spec)
         abstract = self.abstract_params()
-        message = jax.eval_shape(self.model.embed, abstract.shared, micro)
+        message = self.message_spec(spec)
         bad = [a for a in jax.tree.leaves(message) if not jnp.issubdtype(a.dtype, jnp.floating)]
         if bad:
             raise JaxmemError(
@@ -413,7 +439,7 @@ class Pipeline:
             plan = analyze_stage(
                 self.stage_fn(c), stage, abstract.shared, message, micro, stash_to_host=self._stash_to_host(c)
             )
-            _check_output(self.model, c, plan, message)
+            _check_output(self.model, c, plan, message, self.vocab is not None)
             plans[c] = plan
         return plans
 
@@ -424,7 +450,12 @@ class Pipeline:
         key = _key(spec)
         if key not in self._programs:
             plans = self.residual_plans(spec)
-            tick = build_tick_program(self.schedule, self.cell_classes, {c: p.stash_elems for c, p in plans.items()})
+            tick = build_tick_program(
+                self.schedule,
+                self.cell_classes,
+                {c: p.stash_elems for c, p in plans.items()},
+                head_grads=self.vocab is not None,
+            )
             self._programs[key] = (tick, plans)
         return self._programs[key]
 
@@ -487,9 +518,17 @@ class Pipeline:
                 grad if dim is None else jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim - dropped, tiled=True)
             )
 
-        def body(stage_params, shared, batch, table_local, rng):
+        vocab_split = self.vocab
+        vocab_places = jax.tree.leaves(placement.vocab, is_leaf=_is_placement)
+        vocab_ticks = jnp.asarray(tick.vocab_ticks.astype(np.int32))
+        first_rank = self.schedule.stage_to_rank[0]
+        last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]
+        vocab_size = _vocab_size(self.model) if vocab_split is not None else 0
+
+        def body(stage_params, shared, vocab, batch, table_local, vocab_table, rng):
             stage_params = tuple(_vary_tree(jax.tree.map(lambda a: a[0], tree)) for tree in stage_params)
             shared = _vary_tree(shared)
+            vocab = jax.tree.map(lambda a: _vary(a[0]), vocab)
             shared_leaves = jax.tree.leaves(shared)
             batch = jax.tree.map(lambda a: _vary(a.reshape(M, mb, *a.shape[1:])), batch)
             x_like = jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), message_spec)
@@ -598,11 +637,11 @@ class Pipeline:
                                 else (vec if n == w else jnp.concatenate([vec, _vary(zeros)]))
                             )
                             lengths.append(_vary(jnp.asarray(n, jnp.int32)))
-                        if c.last:
+                        if c.last and vocab_split is None:
                             loss_sum, weight = out
                             totals = (totals[0] + _vary(loss_sum), totals[1] + _vary(weight))
                             message = x_like
-                        else:
+                        else:  # a split vocabulary's head takes the last stage's output after the switch
                             message = _vary_tree(out)
                         return (message, tuple(windows_out), tuple(lengths), grads, shared_grads, totals)
                     current = {
@@ -611,7 +650,7 @@ class Pipeline:
                         if key in plan.stash_elems
                     }
                     pullback = plan.pullback(params, shared_in, x_like, micro, current)
-                    if c.last:
+                    if c.last and vocab_split is None:
                         # Typed like the outputs (a constant weight varies over no mesh axis).
                         loss_aval, weight_aval = plan.out_avals
                         ct = (
@@ -621,7 +660,9 @@ class Pipeline:
                     else:
                         ct = g_in
                     d_params, d_shared, d_x = pullback(ct)
-                    message = x_like if c.first or kind is Kind.W else _vary_tree(d_x)
+                    # The first stage's input gradient goes to a split vocabulary's table (after the switch).
+                    no_input_grad = (c.first and vocab_split is None) or kind is Kind.W
+                    message = x_like if no_input_grad else _vary_tree(d_x)
                     if kind is not Kind.I:
                         grads, shared_grads = accumulate(grads, shared_grads, c.local, plan, d_params, d_shared)
                     return (message, *no_write(), grads, shared_grads, totals)
@@ -636,10 +677,85 @@ class Pipeline:
             def write(buffers, value, slot):
                 return jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, slot, 0), buffers, value)
 
-            def tick_step(carry, row):
-                act_buf, grad_buf, arenas, grads, shared_grads, totals = carry
+            pipe_index = jax.lax.axis_index("pipe")
+
+            def total(x, op: str):
+                """``x`` reduced over the pipe ranks (``op``: ``max`` or ``sum``), varying again."""
+                return _vary(jax.lax.pmax(x, "pipe") if op == "max" else jax.lax.psum(x, "pipe"))
+
+            def from_rank(rank: int, message):
+                """``message`` as ``rank`` has it, on every rank."""
+                mine = pipe_index == rank
+                return jax.tree.map(lambda m: total(jnp.where(mine, m, jnp.zeros_like(m)), "sum"), message)
+
+            def vocab_lookup(table, mb_index):
+                tokens = read(batch, jnp.maximum(mb_index, 0))["tokens"]
+                return _vocab.lookup(table, tokens, pipe_index * table.shape[0], vocab_split.dtype)
+
+            def embed_rows(x_in, mb_index):
+                """At a first-stage F, the rows of its tokens (looked up by every rank) as its input."""
+                (like,) = jax.tree.leaves(x_like)
+
+                def rows(_):
+                    return total(vocab_lookup(vocab["table"], mb_index), "sum").astype(like.dtype)
+
+                looked = jax.lax.cond(mb_index >= 0, rows, lambda _: like, None)
+                use = (pipe_index == first_rank) & (mb_index >= 0)
+                return jax.tree.map(lambda x: jnp.where(use, looked, x), x_in)
+
+            def embed_grads(vocab_grads, message, mb_index):
+                """At a first-stage B or I, its rows' gradient into every rank's slice of the table."""
+
+                def add(acc):
+                    (d_rows,) = jax.tree.leaves(from_rank(first_rank, message))
+                    _, pull = jax.vjp(lambda t: vocab_lookup(t, mb_index), vocab["table"])
+                    return _vary(acc + pull(d_rows.astype(vocab_split.dtype))[0].astype(acc.dtype))
+
+                table_grads = jax.lax.cond(mb_index >= 0, add, lambda acc: acc, vocab_grads["table"])
+                return {**vocab_grads, "table": table_grads}
+
+            def head(vocab_grads, grad_buf, totals, message, row, mb_index):
+                """At a last-stage F, every rank's slice of the logits, the loss, and its gradient: the
+                slice's projection gradient, and dL/dh for the last stage's backward."""
+                name = "table" if vocab_split.tied else "head"
+                (like,) = jax.tree.leaves(x_like)
+
+                def run(acc):
+                    (h,) = jax.tree.leaves(from_rank(last_rank, message))
+                    micro = read(batch, jnp.maximum(mb_index, 0))
+                    offset = pipe_index * vocab[name].shape[0]
+
+                    def project(w, h):
+                        return _vocab.head_slice(w, h, offset, vocab_size, vocab_split.dtype, vocab_split.softcap)
+
+                    logits, pull = jax.vjp(project, vocab[name], h)
+                    mask = micro.get("loss_mask")
+                    mask = jnp.ones(logits.shape[:-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+                    loss, dlogits = _vocab.cross_entropy_parts(logits, micro["targets"], offset, mask, total)
+                    d_w, d_h = pull(dlogits * ct_scale)
+                    d_h = total(d_h, "sum").astype(like.dtype)
+                    sums = (_vary(jnp.sum(loss * mask)), _vary(jnp.sum(mask)))
+                    return _vary(acc + d_w.astype(acc.dtype)), d_h, sums
+
+                def skip(acc):
+                    return acc, like, (zero, zero)
+
+                acc, d_h, (loss_sum, weight) = jax.lax.cond(mb_index >= 0, run, skip, vocab_grads[name])
+                grad_buf = write(grad_buf, jax.tree.unflatten(jax.tree.structure(x_like), [d_h]), row[col["head_grad"]])
+                counts = (pipe_index == last_rank) & (mb_index >= 0)
+                totals = (
+                    totals[0] + jnp.where(counts, loss_sum, 0.0),
+                    totals[1] + jnp.where(counts, weight, 0.0),
+                )
+                return {**vocab_grads, name: acc}, grad_buf, totals
+
+            def tick_step(carry, rows):
+                row, vocab_row = rows
+                act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals = carry
                 micro = with_key(read(batch, row[col["microbatch"]]), row[col["microbatch"]], row[col["local_stage"]])
                 x_in = read(act_buf, row[col["act_in"]])
+                if vocab_split is not None:
+                    x_in = embed_rows(x_in, vocab_row[0])
                 g_in = read(grad_buf, row[col["grad_in"]])
                 offs = tuple(row[c] for c in stash_cols)
                 message, windows_out, lengths, grads, shared_grads, totals = jax.lax.switch(
@@ -653,6 +769,9 @@ class Pipeline:
                         arena.at[index].set(values, mode="drop", indices_are_sorted=True, unique_indices=True)
                     )
                 arenas = tuple(new_arenas)
+                if vocab_split is not None:
+                    vocab_grads = embed_grads(vocab_grads, message, vocab_row[1])
+                    vocab_grads, grad_buf, totals = head(vocab_grads, grad_buf, totals, message, row, vocab_row[2])
                 act_buf = write(act_buf, message, row[col["local_act"]])
                 grad_buf = write(grad_buf, message, row[col["local_grad"]])
                 for k, offset in enumerate(tick.offsets):
@@ -663,7 +782,7 @@ class Pipeline:
                     act_col, grad_col = tick.recv_columns(k)
                     act_buf = write(act_buf, incoming, row[act_col])
                     grad_buf = write(grad_buf, incoming, row[grad_col])
-                return (act_buf, grad_buf, arenas, grads, shared_grads, totals), None
+                return (act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals), None
 
             def arena_buffer(key, length):
                 dtype_name, space = key
@@ -679,10 +798,11 @@ class Pipeline:
                 tuple(arena_buffer(k, n) for k, n in zip(keys, tick.arena_elems)),
                 tuple(jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), t) for t in stage_params),
                 jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), shared),
+                jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), vocab),
                 (zero, zero),
             )
-            carry, _ = jax.lax.scan(tick_step, carry, table_local[0])
-            _, _, _, grads, shared_grads, (loss_sum, weight) = carry
+            carry, _ = jax.lax.scan(tick_step, carry, (table_local[0], vocab_table))
+            _, _, _, grads, shared_grads, vocab_grads, (loss_sum, weight) = carry
             loss_sum = jax.lax.psum(loss_sum, AXES)
             weight = jax.lax.psum(weight, AXES)
             scale = tokens_global / weight  # exactly 1 without a loss mask
@@ -704,7 +824,11 @@ class Pipeline:
             shared_grads = shared_treedef.unflatten(
                 [finish(g, p) for g, p in zip(jax.tree.leaves(shared_grads), shared_places)]
             )
-            return loss_sum / weight, grads, shared_grads
+            vocab_grads = jax.tree.unflatten(
+                jax.tree.structure(vocab_grads),
+                [finish(g[None], p) for g, p in zip(jax.tree.leaves(vocab_grads), vocab_places)],
+            )
+            return loss_sum / weight, grads, shared_grads, vocab_grads
 
         def specs(tree, which):
             return jax.tree.map(lambda p: p.spec(which), tree, is_leaf=_is_placement)
@@ -715,11 +839,18 @@ class Pipeline:
             in_specs=(
                 specs(placement.stages, "params"),
                 specs(placement.shared, "params"),
+                specs(placement.vocab, "params"),
                 P(("data", "fsdp")),
                 P("pipe"),
                 P(),
+                P(),
             ),
-            out_specs=(P(), specs(placement.stages, "state"), specs(placement.shared, "state")),
+            out_specs=(
+                P(),
+                specs(placement.stages, "state"),
+                specs(placement.shared, "state"),
+                specs(placement.vocab, "state"),
+            ),
         )
 
         def grad_fn(params: PipelineParams, batch: dict, rng=None):
@@ -731,15 +862,26 @@ class Pipeline:
                     f"this gradient function was built for batches {want}; got {dict(g[:2] for g in given)}: "
                     "build one per batch structure with grad_fn(batch)"
                 )
-            loss, grads, shared_grads = sharded(params.stages, params.shared, batch, table, rng)
-            return loss, PipelineParams(stages=grads, shared=shared_grads)
+            loss, grads, shared_grads, vocab_grads = sharded(
+                params.stages, params.shared, params.vocab, batch, table, vocab_ticks, rng
+            )
+            return loss, PipelineParams(stages=grads, shared=shared_grads, vocab=vocab_grads)
 
         return grad_fn
 
 
-def _check_output(model, c: StageClass, plan: ResidualPlan, message) -> None:
-    """A stage's output must be what the next stage takes (or, last, a ``(loss_sum, weight)`` pair)."""
-    if c.last:
+def _check_output(model, c: StageClass, plan: ResidualPlan, message, vocab: bool = False) -> None:
+    """A stage's output must be what the next stage takes (or, last, a ``(loss_sum, weight)`` pair; with
+    the vocabulary split, the head's input, shaped like a message)."""
+    if vocab:
+        leaves = jax.tree.leaves(message)
+        if len(leaves) != 1 or leaves[0].ndim != 3:
+            raise JaxmemError(
+                f"model {model.name}: splitting the vocabulary over the ranks needs the stages to pass one "
+                f"[batch, seq, d] array; they pass {[tuple(a.shape) for a in leaves]}. Build the pipeline with "
+                "vocab_parallel=False"
+            )
+    if c.last and not vocab:
         avals = plan.out_avals
         if len(avals) != 2 or any(a.shape != () for a in avals):
             raise JaxmemError(

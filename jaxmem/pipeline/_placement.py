@@ -107,8 +107,9 @@ def place_leaf(
     Args:
         shape: global shape.
         sizes: mesh axis sizes (``data``, ``fsdp``, ``pipe``).
-        kind: ``"stage"`` (leads with the rank axis and a layer axis) or ``"shared"`` (replicated over
-            the pipe ranks that use it).
+        kind: ``"stage"`` (leads with the rank axis and a layer axis), ``"shared"`` (on every pipe
+            rank) or ``"vocab"`` (a vocabulary table split over the ranks: leads with the rank axis;
+            whole over ``fsdp``, the ranks computing with it together at the tick level).
         zero: shard the optimizer state and the returned gradients over the replicas.
         fsdp_dims: dimensions ``fsdp`` may cut (default: a stage leaf's per-layer dimensions, any
             dimension of a shared leaf).
@@ -125,6 +126,10 @@ def place_leaf(
         placed[0].append("pipe")
         per_layer = range(2, ndim)
         reduce = ("data", "fsdp")
+    elif kind == "vocab":
+        placed[0].append("pipe")
+        per_layer = ()
+        reduce = ("data", "fsdp")
     else:
         per_layer = range(ndim)
         reduce = ("data", "fsdp", "pipe")
@@ -135,7 +140,7 @@ def place_leaf(
         # Every axis the leaf is replicated over (its gradient is summed over it), fsdp first.
         for axis in reduce:
             if not any(axis in p for p in placed):
-                _place(shape, placed, axis, sizes.get(axis, 1), range(1 if kind == "stage" else 0, ndim), sizes)
+                _place(shape, placed, axis, sizes.get(axis, 1), range(0 if kind == "shared" else 1, ndim), sizes)
     return LeafPlacement(tuple(shape), params, tuple(tuple(p) for p in placed), reduce)
 
 
@@ -147,12 +152,12 @@ class Placement:
     stages: tuple
     shared: object
     sizes: dict
+    vocab: object = dataclasses.field(default_factory=dict)
 
     def leaves(self) -> list[LeafPlacement]:
         import jax
 
-        is_leaf = _is_placement
-        return jax.tree.leaves(self.stages, is_leaf=is_leaf) + jax.tree.leaves(self.shared, is_leaf=is_leaf)
+        return jax.tree.leaves((self.stages, self.shared, self.vocab), is_leaf=_is_placement)
 
     def device_bytes(self, abstract, which: str) -> float:
         """Per-device bytes of a tree shaped like the parameters (``abstract``, a PipelineParams of
@@ -160,7 +165,8 @@ class Placement:
         import jax
 
         total = 0
-        for leaf, p in zip(jax.tree.leaves((abstract.stages, abstract.shared)), self.leaves(), strict=True):
+        leaves = jax.tree.leaves((abstract.stages, abstract.shared, abstract.vocab))
+        for leaf, p in zip(leaves, self.leaves(), strict=True):
             total += p.device_elems(which, self.sizes) * np.dtype(leaf.dtype).itemsize
         return float(total)
 
@@ -178,4 +184,5 @@ def placement_of(abstract, sizes: dict[str, int], *, zero: bool = True) -> Place
         for tree in abstract.stages
     )
     shared = jax.tree.map(lambda a: place_leaf(tuple(a.shape), sizes, kind="shared", zero=zero), abstract.shared)
-    return Placement(stages, shared, dict(sizes))
+    vocab = jax.tree.map(lambda a: place_leaf(tuple(a.shape), sizes, kind="vocab", zero=zero), abstract.vocab)
+    return Placement(stages, shared, dict(sizes), vocab)

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmem._errors import JaxmemError
 from jaxmem.models import EMBED_KEY, HEAD_KEY, layer_batch
+from jaxmem.pipeline._vocab import join_vocab, split_vocab, with_vocab_placeholders
 
-__all__ = ["split_layers", "stack_stage_params", "stage_forward", "unstack_layers", "unstack_stage_params"]
+__all__ = [
+    "ParamLayout",
+    "split_layers",
+    "stack_stage_params",
+    "stage_forward",
+    "unstack_layers",
+    "unstack_stage_params",
+]
 
 
 def _divisors(n: int) -> list[int]:
@@ -62,21 +72,36 @@ def unstack_layers(stacked, layers: int) -> list:
     return [jax.tree.unflatten(treedef, [p[i] for p in pieces]) for i in range(layers)]
 
 
-def stage_forward(model, *, first: bool, last: bool, layers: int, skip: tuple[int, ...] = ()) -> Callable:
+def stage_forward(
+    model, *, first: bool, last: bool, layers: int, skip: tuple[int, ...] = (), vocab: bool = False
+) -> Callable:
     """``fn(stage_params, shared, x, batch)`` of one stage of a :class:`~jaxmem.models.StagedModel`:
     the embedding if ``first`` (``x`` is then ignored), ``layers`` layers (except the local indices
     in ``skip``: layer drop), the head's ``(loss_sum, weight)`` if ``last``. ``stage_params`` leaves
     have a leading layer axis (at least ``layers``). A ``batch["rng"]`` (the stage's key) is folded
-    per layer (:func:`jaxmem.models.layer_batch`)."""
+    per layer (:func:`jaxmem.models.layer_batch`).
+
+    With ``vocab`` (the vocabulary split over the ranks, :class:`~jaxmem.models.VocabParallel`), the
+    first stage starts from its looked-up rows ``x`` (``model.vocab.embed``) and the last ends with
+    ``model.vocab.hidden``, before the head's projection: the pipeline does the lookup and the
+    projection on every rank at once. ``shared`` is then the shared parameters without the tables
+    (as :func:`~jaxmem.pipeline._vocab.split_vocab` leaves them)."""
+    full = model.split(model.abstract_params())[1] if vocab else None
 
     def fn(stage_params, shared, x, batch):
-        if first:
+        if vocab:
+            shared = with_vocab_placeholders(shared, model.vocab, full)
+        if first and vocab:
+            x = model.vocab.embed(shared, x, layer_batch(batch, EMBED_KEY))
+        elif first:
             x = model.embed(shared, layer_batch(batch, EMBED_KEY))
         per_layer = unstack_layers(stage_params, layers)
         for i in range(layers):
             if i in skip:
                 continue
             x = model.layer(per_layer[i], x, layer_batch(batch, i))
+        if last and vocab:
+            return model.vocab.hidden(shared, x, layer_batch(batch, HEAD_KEY))
         if last:
             return model.head_loss(shared, x, layer_batch(batch, HEAD_KEY))
         return x
@@ -90,13 +115,14 @@ def _per_rank(stage_to_rank: Sequence[int]) -> list[list[int]]:
 
 
 def stack_stage_params(
-    blocks: Sequence[dict], layer_counts: Sequence[int], stage_to_rank: Sequence[int]
+    blocks: Sequence[dict], layer_counts: Sequence[int], stage_to_rank: Sequence[int], xp=jnp
 ) -> tuple[dict, ...]:
     """Per-layer dicts -> one dict per local stage position ``v``, leaves ``[ranks, max layers, ...]``.
 
     Entry ``v`` holds, for every rank, the layers of the rank's ``v``-th stage, so sharding its first
     axis over ``pipe`` gives every rank exactly its own stages. Stages with fewer layers than the most
-    loaded one are zero-padded (those rows are never read and get zero gradients).
+    loaded one are zero-padded (those rows are never read and get zero gradients). ``xp``:
+    ``jax.numpy``, or ``numpy`` to stack host arrays on the host.
     """
     per_rank = _per_rank(stage_to_rank)
     max_layers = max(max(layer_counts), 1)
@@ -106,15 +132,14 @@ def stack_stage_params(
     def stage_stack(s):
         layers = [blocks[starts[s] + i] for i in range(layer_counts[s])]
         pad = max_layers - len(layers)
-        parts = [jax.tree.map(lambda *xs: jnp.stack(xs), *layers)] if layers else []
+        parts = [jax.tree.map(lambda *xs: xp.stack(xs), *layers)] if layers else []
         if pad:
-            parts.append(jax.tree.map(lambda a: jnp.zeros((pad,) + a.shape, a.dtype), template))
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if len(parts) > 1 else parts[0]
+            parts.append(jax.tree.map(lambda a: xp.zeros((pad,) + a.shape, a.dtype), template))
+        return jax.tree.map(lambda *xs: xp.concatenate(xs), *parts) if len(parts) > 1 else parts[0]
 
     virtual = len(per_rank[0])
     return tuple(
-        jax.tree.map(lambda *xs: jnp.stack(xs), *[stage_stack(stages[v]) for stages in per_rank])
-        for v in range(virtual)
+        jax.tree.map(lambda *xs: xp.stack(xs), *[stage_stack(stages[v]) for stages in per_rank]) for v in range(virtual)
     )
 
 
@@ -130,3 +155,64 @@ def unstack_stage_params(
         for i in range(count):
             blocks.append(jax.tree.map(lambda a, rank=rank, i=i: a[rank, i], stacked[local]))
     return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Where a pipeline keeps a model's parameters: which rank runs each stage, how many layers each
+    stage holds, and over how many ranks the vocabulary tables are split (0: whole, with the other
+    shared parameters). Two pipelines with equal layouts hold arrays of equal shapes (only their cut
+    over the mesh's other axes may differ), so a checkpoint saved by one restores onto the other
+    shard for shard; other layouts re-lay each array out (:meth:`relayout_stage_leaf`).
+
+    ``split`` and ``join`` go between the model's own tree and ``(stages, shared, vocab)``, on device
+    (``xp=jax.numpy``) or on the host (``xp=numpy``).
+    """
+
+    stage_to_rank: tuple[int, ...]
+    layer_counts: tuple[int, ...]
+    vocab_ranks: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "stage_to_rank": list(self.stage_to_rank),
+            "layer_counts": list(self.layer_counts),
+            "vocab_ranks": self.vocab_ranks,
+        }
+
+    @classmethod
+    def from_json(cls, value: dict) -> ParamLayout:
+        return cls(tuple(value["stage_to_rank"]), tuple(value["layer_counts"]), int(value.get("vocab_ranks", 0)))
+
+    def split(self, model, params, xp=jnp) -> tuple[tuple, dict, dict]:
+        """The model's parameter tree -> ``(stages, shared, vocab)`` in this layout."""
+        layers, shared = model.split(params)
+        if len(layers) != model.n_layers:
+            raise JaxmemError(f"the parameters hold {len(layers)} layers; model {model.name} has {model.n_layers}")
+        stages = stack_stage_params(layers, self.layer_counts, self.stage_to_rank, xp=xp)
+        vocab = {}
+        if self.vocab_ranks:
+            shared, vocab = split_vocab(shared, model.vocab, self.vocab_ranks, xp=xp)
+        return stages, shared, vocab
+
+    def join(self, model, stages, shared, vocab):
+        """The inverse of :meth:`split` (indexing and reshapes only: device or host arrays alike)."""
+        layers = unstack_stage_params(stages, self.layer_counts, self.stage_to_rank)
+        if self.vocab_ranks:
+            shared = join_vocab(shared, vocab, model.vocab, vocab_size(model))
+        return model.join(layers, shared)
+
+    def relayout_stage_leaf(self, leaves: Sequence, other: ParamLayout, xp=np) -> list:
+        """One stage leaf as :meth:`split` lays it out here (``leaves[v]``, ``[ranks, max layers, ...]``)
+        -> the same leaf in ``other``'s layout (one array per local stage position)."""
+        layers = unstack_stage_params([{"x": a} for a in leaves], self.layer_counts, self.stage_to_rank)
+        stacked = stack_stage_params(layers, other.layer_counts, other.stage_to_rank, xp=xp)
+        return [entry["x"] for entry in stacked]
+
+
+def vocab_size(model) -> int:
+    """Rows of the model's token embedding (its :class:`~jaxmem.models.VocabParallel` table)."""
+    node = model.split(model.abstract_params())[1]
+    for key in model.vocab.table:
+        node = node[key]
+    return int(node.shape[0])

@@ -53,6 +53,7 @@ COLUMNS = (
     "send",  # ppermute offset index to send the output on; len(offsets) = none
     "local_act",  # activation slot to write the output into on this rank (V-shape turn), else trash
     "local_grad",  # gradient slot to write the output into on this rank, else trash
+    "head_grad",  # with the vocabulary split: where the last stage's F leaves dL/dh for its backward
 )
 
 
@@ -78,6 +79,9 @@ class TickProgram:
         arena_elems: per arena, the length every rank allocates (the largest rank's need).
         rank_arena_elems: per arena and rank, what that rank's own items need.
         stash_live: per class and rank, the peak number of stashed items.
+        vocab_ticks: ``[num_ticks, 3]``: per tick, the microbatch whose tokens the first stage's F looks
+            up, whose rows' gradient the first stage's B or I gives, and whose head the last stage's F
+            reaches (-1: none) -- the ticks at which every rank works on a split vocabulary.
     """
 
     schedule: Schedule
@@ -99,6 +103,7 @@ class TickProgram:
     stash_intervals: tuple[tuple[tuple[int, int, int], ...], ...] = dataclasses.field(
         repr=False, compare=False, default=()
     )
+    vocab_ticks: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
 
     def stash_column(self, key_index: int) -> int:
         return len(COLUMNS) + 2 * len(self.offsets) + key_index
@@ -173,6 +178,7 @@ def build_tick_program(
     stash_elems: dict[StageClass, dict[tuple[str, str], int]] | None = None,
     *,
     with_table: bool = True,
+    head_grads: bool = False,
 ) -> TickProgram:
     """Lower a validated schedule to tick tables.
 
@@ -185,6 +191,8 @@ def build_tick_program(
         with_table: False leaves ``table`` empty (shape ``(0, 0, 0)``) and skips the per-tick
             rows: for callers that read only slot counts and arena sizes (the memory ledger), not
             for an executor.
+        head_grads: the head's gradient ``dL/dh`` is produced at the last stage's F (the vocabulary
+            split over the ranks) and waits in a gradient slot for its B.
     """
     validate(schedule)
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
@@ -233,6 +241,8 @@ def build_tick_program(
             stash_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), (s, m)))
         elif a.kind in (Kind.B, Kind.I) and s > 0:
             grad_items[rank_of[s - 1]].append((ticks[a], last_use(s - 1, m), (s - 1, m)))
+        if head_grads and a.kind is Kind.F and s == num_stages - 1:
+            grad_items[rank_of[s]].append((ticks[a], last_use(s, m), (s, m)))
 
     act_slot, grad_slot = {}, {}
     act_slots = grad_slots = 0
@@ -266,6 +276,15 @@ def build_tick_program(
             need = max(need, length)
         arena.append(need)
 
+    vocab_ticks = np.full((num_ticks, 3), -1, np.int64)
+    for a, t in ticks.items():
+        if a.stage == 0 and a.kind is Kind.F:
+            vocab_ticks[t, 0] = a.microbatch
+        if a.stage == 0 and a.kind in (Kind.B, Kind.I):
+            vocab_ticks[t, 1] = a.microbatch
+        if a.stage == num_stages - 1 and a.kind is Kind.F:
+            vocab_ticks[t, 2] = a.microbatch
+
     branches: list[tuple[int, Kind]] = []
     for a in sorted(present, key=lambda a: (cell_class[(a.stage, a.microbatch)], KINDS.index(a.kind))):
         key = (cell_class[(a.stage, a.microbatch)], a.kind)
@@ -292,13 +311,16 @@ def build_tick_program(
         stash_intervals=tuple(
             tuple((p, q, c) for c in range(len(classes)) for p, q, _ in stash_items[(r, c)]) for r in range(num_ranks)
         ),
+        vocab_ticks=vocab_ticks,
     )
     if not with_table:
         return program
-    return dataclasses.replace(program, table=_tick_table(program, stash_offset, act_slot, grad_slot))
+    return dataclasses.replace(program, table=_tick_table(program, stash_offset, act_slot, grad_slot, head_grads))
 
 
-def _tick_table(program: TickProgram, stash_offset: dict, act_slot: dict, grad_slot: dict) -> np.ndarray:
+def _tick_table(
+    program: TickProgram, stash_offset: dict, act_slot: dict, grad_slot: dict, head_grads: bool = False
+) -> np.ndarray:
     """The per-(rank, tick) rows of a lowered schedule (see :data:`COLUMNS`), from its slot and arena
     assignments: ``stash_offset[(arena, stage, mb)]``, ``act_slot``/``grad_slot[(rank, (stage, mb))]``."""
     schedule, offsets, stash_keys = program.schedule, program.offsets, program.stash_keys
@@ -310,6 +332,7 @@ def _tick_table(program: TickProgram, stash_offset: dict, act_slot: dict, grad_s
     table[:, :, col["send"]] = len(offsets)
     table[:, :, col["local_act"]] = act_trash
     table[:, :, col["local_grad"]] = grad_trash
+    table[:, :, col["head_grad"]] = grad_trash
     for k in range(len(offsets)):
         table[:, :, len(COLUMNS) + 2 * k] = act_trash
         table[:, :, len(COLUMNS) + 2 * k + 1] = grad_trash
@@ -324,8 +347,10 @@ def _tick_table(program: TickProgram, stash_offset: dict, act_slot: dict, grad_s
             row[len(COLUMNS) + 2 * len(offsets) + ki] = stash_offset[(ki, s, m)]
         if a.kind is Kind.F and s > 0:
             row[col["act_in"]] = act_slot[(r, (s, m))]
-        if a.kind in (Kind.B, Kind.I, Kind.W) and s < num_stages - 1:
+        if a.kind in (Kind.B, Kind.I, Kind.W) and (s < num_stages - 1 or head_grads):
             row[col["grad_in"]] = grad_slot[(r, (s, m))]
+        if head_grads and a.kind is Kind.F and s == num_stages - 1:
+            row[col["head_grad"]] = grad_slot[(r, (s, m))]
         # Where the output goes: F -> stage s+1's activation buffer; B/I -> stage s-1's gradient buffer.
         if a.kind is Kind.F and s < num_stages - 1:
             dst, buffer, key = rank_of[s + 1], "act", (s + 1, m)

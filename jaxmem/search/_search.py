@@ -39,6 +39,7 @@ class Candidate:
     data: int
     microbatches: int
     policy_name: str
+    fsdp: int = dataclasses.field(default=1, kw_only=True)
     policy: object = dataclasses.field(repr=False, compare=False)
     device_bytes: float = 0.0
     host_bytes: float = 0.0
@@ -53,6 +54,7 @@ class Candidate:
             "virtual": self.virtual,
             "pipe": self.pipe,
             "data": self.data,
+            "fsdp": self.fsdp,
             "microbatches": self.microbatches,
             "policy": self.policy_name,
             "device_bytes": int(self.device_bytes),
@@ -84,6 +86,9 @@ class SearchResult:
         return min(c.device_bytes for c in self.candidates)
 
     def explain(self, top: int = 5) -> list[str]:
+        def mesh(c):
+            return f"P={c.pipe} D={c.data}" + (f" F={c.fsdp}" if c.fsdp > 1 else "")
+
         lines = []
         if self.best is None:
             lines.append(
@@ -94,7 +99,7 @@ class SearchResult:
             return lines
         b = self.best
         lines.append(
-            f"best: {b.schedule}{f' V={b.virtual}' if b.virtual else ''} P={b.pipe} D={b.data} M={b.microbatches} "
+            f"best: {b.schedule}{f' V={b.virtual}' if b.virtual else ''} {mesh(b)} M={b.microbatches} "
             f"policy {b.policy_name}: {human_bytes(b.device_bytes)}/device, {b.tokens_per_second:,.0f} tokens/s"
         )
         for c in [c for c in self.ranked if c is not b][:top]:
@@ -103,7 +108,17 @@ class SearchResult:
                 if c.fits
                 else f"needs {human_bytes(c.device_bytes)} > budget"
             )
-            lines.append(f"  runner-up: {c.schedule} P={c.pipe} M={c.microbatches} {c.policy_name}: {why}")
+            virtual = f" V={c.virtual}" if c.virtual else ""
+            lines.append(f"  runner-up: {c.schedule}{virtual} {mesh(c)} M={c.microbatches} {c.policy_name}: {why}")
+        flat = [c for c in self.ranked if c.pipe == 1 and c.fsdp > 1]
+        if flat and b.pipe > 1:  # the layout without a pipeline (FSDP over every device), for comparison
+            c = flat[0]
+            why = (
+                f"{c.tokens_per_second:,.0f} tokens/s, {c.tokens_per_second / b.tokens_per_second:.1%} of the best's"
+                if c.fits
+                else f"needs {human_bytes(c.device_bytes)} > budget"
+            )
+            lines.append(f"  no pipeline (FSDP only): {c.schedule} {mesh(c)} M={c.microbatches} {c.policy_name}: {why}")
         return lines
 
     def to_json(self) -> dict:
@@ -166,10 +181,23 @@ def _divisors(n: int) -> list[int]:
 
 
 def evaluate(
-    model, schedule, policy_name: str, *, budget: float, batch: int, seq: int, data: int, hardware, layer_counts=None
+    model,
+    schedule,
+    policy_name: str,
+    *,
+    budget: float,
+    batch: int,
+    seq: int,
+    data: int,
+    hardware,
+    layer_counts=None,
+    fsdp: int = 1,
+    zero: bool = True,
+    vocab_parallel: bool | None = None,
 ) -> Candidate:
     """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``chronos-*`` policies are
-    generated for the budget first (Chronos-Recomp/Offload)."""
+    generated for the budget first (Chronos-Recomp/Offload). ``fsdp``, ``zero``, ``vocab_parallel``:
+    how the static state is sharded (:class:`~jaxmem.pipeline.Pipeline`)."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
     from jaxmem.pipeline import split_layers
@@ -179,20 +207,21 @@ def evaluate(
     facts = model_facts(model)
     hardware = get_hardware(hardware)
     counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
-    mb = batch // (data * schedule.num_microbatches)
+    mb = batch // (data * fsdp * schedule.num_microbatches)
+
+    layout = dict(
+        batch=batch,
+        seq=seq,
+        data_parallel=data,
+        fsdp=fsdp,
+        zero=zero,
+        vocab_parallel=vocab_parallel,
+        layer_counts=counts,
+        facts=facts,
+    )
 
     def run(policy):
-        return estimate(
-            model,
-            schedule,
-            policy,
-            batch=batch,
-            seq=seq,
-            data_parallel=data,
-            layer_counts=counts,
-            hardware=hardware,
-            facts=facts,
-        )
+        return estimate(model, schedule, policy, hardware=hardware, **layout)
 
     note = ""
     if policy_name in CHRONOS_MOVES:
@@ -207,9 +236,7 @@ def evaluate(
             return 2 * stash / hardware.host_bandwidth
 
         def device_bytes(policy) -> float:
-            return predict(
-                model, schedule, policy, batch=batch, seq=seq, data_parallel=data, layer_counts=counts, facts=facts
-            ).max_device_bytes
+            return predict(model, schedule, policy, **layout).max_device_bytes
 
         all_moves = chronos_moves(
             model,
@@ -257,6 +284,7 @@ def evaluate(
         virtual=schedule.num_stages // schedule.num_ranks if schedule.num_stages > schedule.num_ranks else None,
         pipe=schedule.num_ranks,
         data=data,
+        fsdp=fsdp,
         microbatches=schedule.num_microbatches,
         policy_name=policy_name,
         policy=policy,
@@ -269,30 +297,45 @@ def evaluate(
     )
 
 
-def candidate_schedules(model, devices: int, batch: int, schedules=SCHEDULES, pipes=None, microbatches=None):
-    """(schedule, data) pairs the search considers: pipe sizes dividing the devices, stage counts
-    dividing the layers, microbatch counts dividing the per-replica batch."""
+def candidate_schedules(
+    model, devices: int, batch: int, schedules=SCHEDULES, pipes=None, microbatches=None, fsdp: bool = True
+):
+    """``(schedule, data, fsdp)`` the search considers: pipe sizes dividing the devices, the replicas
+    that leaves either all data-parallel (ZeRO) or all FSDP, stage counts dividing the layers,
+    microbatch counts dividing the per-replica batch; and, with ``fsdp``, the FSDP-only layout with no
+    pipeline -- one rank whose stages are the FSDP units (interleaved-1f1b with P=1, a layer or two a
+    stage), gathered one at a time."""
     from jaxmem.schedule import ScheduleError, generate
 
     out = []
-    for pipe in pipes or [p for p in _divisors(devices) if p > 1] or [1]:
-        data = devices // pipe
-        if batch % data:
+    pipe_sizes = pipes or [p for p in _divisors(devices) if p > 1] or [1]
+    for pipe in pipe_sizes:
+        replicas = devices // pipe
+        if batch % replicas:
             continue
-        local = batch // data
+        local = batch // replicas
         ms = microbatches or sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe) if local % m == 0})
+        splits = [(replicas, 1)] + ([(1, replicas)] if fsdp and replicas > 1 else [])
         for name in schedules:
             virtual = 2 if name in ("interleaved-1f1b",) else None
             stages = pipe * (2 if name in ("interleaved-1f1b", "zbv", "chronos", "v-half", "v-min") else 1)
-            if model.n_layers % stages:
+            if model.n_layers % stages or (pipe == 1 and name != "gpipe"):
                 continue
             for m in ms:
                 if local % m:
                     continue
                 try:
-                    out.append((generate(name, pipe, m, virtual), data))
+                    schedule = generate(name, pipe, m, virtual)
                 except ScheduleError:
                     continue
+                out += [(schedule, d, f) for d, f in splits]
+    if fsdp and devices > 1 and not pipes and batch % devices == 0:
+        local = batch // devices
+        for per_stage in (1, 2):
+            if model.n_layers % per_stage:
+                continue
+            for m in sorted({m for m in (1, 2, 4) if local % m == 0}):
+                out.append((generate("interleaved-1f1b", 1, m, model.n_layers // per_stage), 1, devices))
     return out
 
 
@@ -309,14 +352,19 @@ def search(
     pipes=None,
     microbatches=None,
     progress=None,
+    fsdp: bool = True,
+    zero: bool = True,
+    vocab_parallel: bool | None = None,
 ) -> SearchResult:
-    """Search schedules x microbatches x policies; the fastest simulated candidate that fits wins."""
+    """Search pipeline sizes x data/fsdp splits x schedules x microbatches x policies, and the
+    FSDP-only layout; the fastest simulated candidate that fits wins. ``fsdp=False`` leaves the
+    fsdp splits out; ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`."""
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
 
     model = get_model(model)
     hw = get_hardware(hardware)
-    pairs = candidate_schedules(model, devices, batch, schedules, pipes, microbatches)
+    pairs = candidate_schedules(model, devices, batch, schedules, pipes, microbatches, fsdp=fsdp)
     if not pairs:
         raise JaxmemError(
             f"no schedule fits {devices} devices, {model.n_layers} layers and batch {batch}: the pipeline "
@@ -324,12 +372,24 @@ def search(
             "data x microbatches"
         )
     candidates = []
-    for i, (schedule, data) in enumerate(pairs):
+    for i, (schedule, data, fsdp_size) in enumerate(pairs):
         if progress:
             progress(i, len(pairs), schedule)
         seen = {}
         for name in policies:
-            cand = evaluate(model, schedule, name, budget=budget_bytes, batch=batch, seq=seq, data=data, hardware=hw)
+            cand = evaluate(
+                model,
+                schedule,
+                name,
+                budget=budget_bytes,
+                batch=batch,
+                seq=seq,
+                data=data,
+                fsdp=fsdp_size,
+                zero=zero,
+                vocab_parallel=vocab_parallel,
+                hardware=hw,
+            )
             # A generated policy that changed nothing is the preset it started from: keep one of them.
             key = (round(cand.device_bytes), round(cand.step_seconds, 12), round(cand.host_bytes))
             if key in seen:

@@ -1,5 +1,5 @@
 """Pipelined training: the train state, the trainer (model, pipeline, optimizer, jitted step), the loop
-with its hooks (checkpoints, sample log), checkpoints in the model's layout, and adaptive training
+with its hooks (checkpoints, sample log), checkpoints written from the shards, and adaptive training
 under the online profiler."""
 
 from jaxmem.config import TrainConfig as TrainConfig
@@ -8,6 +8,7 @@ from jaxmem.train._adaptive import train_adaptive as train_adaptive
 from jaxmem.train._checkpoint import Checkpointer as Checkpointer
 from jaxmem.train._checkpoint import CheckpointError as CheckpointError
 from jaxmem.train._checkpoint import array_checksums as array_checksums
+from jaxmem.train._checkpoint import read_params as read_params
 from jaxmem.train._export import Exported as Exported
 from jaxmem.train._export import export_checkpoint as export_checkpoint
 from jaxmem.train._export import flatten_params as flatten_params
@@ -30,6 +31,7 @@ from jaxmem.train._state import TrainState as TrainState
 from jaxmem.train._state import global_put as global_put
 from jaxmem.train._state import scalar as scalar
 from jaxmem.train._state import to_device as to_device
+from jaxmem.train._state_io import model_params as model_params
 from jaxmem.train._trainer import Trainer as Trainer
 from jaxmem.train._trainer import abstract_state as abstract_state
 from jaxmem.train._trainer import learning_rate as learning_rate

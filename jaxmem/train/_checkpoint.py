@@ -1,11 +1,12 @@
 """Checkpoints: Orbax CheckpointManager with async saves, keep-last-K, the whole train state in one
 atomic step, and a per-array checksum manifest saved inside that same step.
 
-The state is stored in the *model's* layout (per-layer parameter dicts, Adam moments alike), not the
-pipeline's stacked layout, so a checkpoint restores onto any mesh and stage split: restore reads
-the arrays with target shardings (replicated over the new mesh) and the new pipeline re-lays them
-out. Orbax writes a step into a temporary directory and renames it when complete, so a save killed
-mid-way is never listed; temporary leftovers are removed when the manager opens the directory.
+A step holds whatever tree it is given; a trainer gives its state as it holds it, sharded, and reads
+it back onto any mesh through a :class:`StateReader` (:mod:`jaxmem.train._state_io`): nothing is
+gathered onto one device to save or restore. Checksums are computed where each array lives, shard by
+shard (:func:`array_checksums`). Orbax writes a step into a temporary directory and renames it when
+complete, so a save killed mid-way is never listed; temporary leftovers are removed when the manager
+opens the directory.
 
 Guarantees a resumed run relies on:
 - one writer: process 0 holds an exclusive ``flock`` on ``.jaxmem.lock`` in the directory for the
@@ -44,7 +45,7 @@ import numpy as np
 
 from jaxmem._errors import JaxmemError, first_line
 
-__all__ = ["CheckpointError", "Checkpointer", "array_checksums", "read_params"]
+__all__ = ["CheckpointError", "Checkpointer", "SameArrays", "StateReader", "array_checksums", "read_params"]
 
 MARKER = "jaxmem_checkpoints.json"
 LOCK = ".jaxmem.lock"
@@ -87,17 +88,110 @@ def _host_value(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+# The checksum of an array: a mixed hash of every element's bits and its position in the whole
+# array, summed modulo 2**32. A sum does not care how the array is cut, so each device hashes its own
+# shard and one all-reduce adds them (nothing is gathered), and the value read back onto another mesh
+# checks against the value saved from this one. (Saves before the sharded checkpoints carry a CRC32
+# of the whole array's bytes instead, "crc32", still verified on restore.)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
+
+
+def _bits(x, xp):
+    """The elements' bits as uint32 (narrower types widened; 8-byte types fold their two halves)."""
+    dtype = np.dtype(x.dtype)
+    if dtype == np.bool_:
+        return x.astype(xp.uint32)
+    unsigned = {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint32}[dtype.itemsize]
+    if xp is np:
+        bits = x.view(np.dtype(unsigned)) if dtype.itemsize != 8 else x.view(np.uint32).reshape(*x.shape, 2)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, unsigned)
+    if dtype.itemsize == 8:
+        return bits[..., 0] ^ (bits[..., 1] * xp.uint32(_GOLDEN))
+    return bits.astype(xp.uint32)
+
+
+def _position(shape, xp):
+    """Every element's flat (row-major) index in the whole array, modulo 2**32."""
+    index, stride = xp.zeros(shape, xp.uint32), 1
+    for axis in reversed(range(len(shape))):
+        if xp is np:
+            along = np.arange(shape[axis], dtype=np.uint32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+        else:
+            along = jax.lax.broadcasted_iota(xp.uint32, shape, axis)
+        index = index + along * xp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    return index
+
+
+def _hash(x, xp):
+    h = _bits(x, xp) ^ (_position(x.shape, xp) * xp.uint32(_GOLDEN))
+    h = h * xp.uint32(_MIX1)
+    h = h ^ (h >> xp.uint32(13))
+    h = h * xp.uint32(_MIX2)
+    h = h ^ (h >> xp.uint32(16))
+    return xp.sum(h, dtype=xp.uint32)
+
+
+@jax.jit
+def _device_hash(x):
+    """The hash of one device array, computed shard by shard where it lives (offloaded state comes to
+    device memory one shard at a time). One leaf per program: XLA materialises a leaf's mixed bits
+    before summing them, so a program over every leaf would hold all of those at once."""
+    if "host" in str(getattr(jax.typeof(x), "memory_space", "")).lower():
+        x = jax.device_put(x, jax.memory.Space.Device)
+    return _hash(x, jax.numpy)
+
+
 def array_checksums(tree) -> dict[str, dict]:
-    """Per array (by its path): shape, dtype and a CRC32 of its bytes."""
+    """Per array (by its path): shape, dtype and a 32-bit hash of its elements and their positions,
+    computed where the array lives (device arrays shard by shard on their devices, host arrays on the
+    host); the same value whatever the array's sharding."""
+    named = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    on_device = [i for i, (_, leaf) in enumerate(named) if isinstance(leaf, jax.Array)]
+    hashes = {i: _device_hash(named[i][1]) for i in on_device}
     out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        value = _host_value(leaf)
-        out[jax.tree_util.keystr(path)] = {
-            "shape": list(value.shape),
-            "dtype": str(value.dtype),
-            "crc32": zlib.crc32(np.ascontiguousarray(value).tobytes()),
-        }
+    for i, (name, leaf) in enumerate(named):
+        value = hashes[i] if i in hashes else _hash(np.asarray(leaf), np)
+        out[name] = {"shape": list(leaf.shape), "dtype": str(np.dtype(leaf.dtype)), "hash": _scalar_int(value)}
     return out
+
+
+def _scalar_int(value) -> int:
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        value = value.addressable_data(0)
+    return int(np.asarray(value))
+
+
+def _legacy_crc32(value) -> int:
+    """The CRC32 of an array's bytes, as steps saved before the sharded checkpoints recorded it."""
+    return zlib.crc32(np.ascontiguousarray(_host_value(value)).tobytes())
+
+
+class StateReader:
+    """How a run reads a step whose arrays are not simply its own state's (another stage split, an
+    older layout): ``expected(meta)`` gives the arrays as saved (abstract; their names and shapes are
+    checked against the step's manifest before anything is read) and ``read(meta, fetch)`` builds the
+    state, reading with ``fetch(tree, partial=False)`` (:meth:`Checkpointer._fetch`)."""
+
+    def expected(self, meta: dict):
+        raise NotImplementedError
+
+    def read(self, meta: dict, fetch):
+        raise NotImplementedError
+
+
+class SameArrays(StateReader):
+    """The step holds exactly ``target``'s arrays (abstract, with the shardings to read them onto)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def expected(self, meta: dict):
+        return self.target
+
+    def read(self, meta: dict, fetch):
+        return fetch(self.target)
 
 
 @dataclasses.dataclass
@@ -126,9 +220,19 @@ def _manifest(step: int, meta: dict) -> dict:
 def _verify_checksums(step: int, manifest: dict, tree, key=lambda name: name) -> None:
     """Check every array of ``tree`` against ``manifest`` (names compared through ``key``)."""
     saved = {key(name): entry for name, entry in manifest.items()}
-    for name, got in array_checksums(tree).items():
+    legacy = any("crc32" in entry for entry in saved.values())
+    got_all = (
+        {
+            jax.tree_util.keystr(p): {"shape": list(x.shape), "crc32": _legacy_crc32(x)}
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        }
+        if legacy
+        else array_checksums(tree)
+    )
+    field = "crc32" if legacy else "hash"
+    for name, got in got_all.items():
         want = saved.get(key(name))
-        if want is None or got["crc32"] != want["crc32"] or got["shape"] != want["shape"]:
+        if want is None or got[field] != want.get(field) or got["shape"] != want["shape"]:
             raise CheckpointError(
                 f"checkpoint step {step}: array {name} does not match the checksum saved with it "
                 "(file damaged or changed after saving)"
@@ -261,7 +365,12 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        # One handler for the state, whatever a call reads or writes (a manager keeps the first it sees).
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        )
         logging.getLogger("absl").addFilter(_QUIET)  # idempotent: a filter is added once
         _quiet_aftermath()
 
@@ -308,7 +417,7 @@ class Checkpointer:
         with self._reporting_failures(step):
             self.manager.save(
                 step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(payload)),
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(payload)),
                 force=True,
             )
         self._pending = step
@@ -386,9 +495,10 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def restore(self, target: dict, step: int | None = None, log=None) -> Restored:
+    def restore(self, target, step: int | None = None, log=None) -> Restored:
         """Restore a step into arrays shaped and sharded like ``target`` (abstract arrays with
-        shardings) and check every array against the step's manifest.
+        shardings; or a :class:`StateReader`, e.g. ``Trainer.restore_target()``) and check every array
+        against the step's manifest.
 
         With ``step`` None: the latest step that verifies; each newer one that fails is announced
         through ``log`` and moved aside as ``<step>.damaged`` (module docstring). With ``step``: that
@@ -426,7 +536,7 @@ class Checkpointer:
             "a new --checkpoint-dir or restore the directory from a copy"
         )
 
-    def _restore_verified(self, target: dict, step: int) -> Restored:
+    def _restore_verified(self, target, step: int) -> Restored:
         import orbax.checkpoint as ocp
 
         try:
@@ -434,18 +544,34 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
             raise CheckpointError(f"step {step}: its metadata cannot be read ({first_line(e)})") from None
         manifest = _manifest(step, meta)
-        _check_same_arrays(step, manifest, target)
+        reader = target if isinstance(target, StateReader) else SameArrays(target)
+        _check_same_arrays(step, manifest, reader.expected(meta))
+        state = reader.read(meta, lambda tree, partial=False: self._fetch(step, manifest, tree, partial))
+        return Restored(step, state, meta)
+
+    def _fetch(self, step: int, manifest: dict, tree, partial: bool):
+        """Read the arrays of ``tree`` (all of the step's, or with ``partial`` a subtree of them) and check
+        each against the manifest. A leaf with a sharding is read onto it (each device reads its own
+        shard), one without onto the host as numpy."""
+        import orbax.checkpoint as ocp
+
         try:
-            restored = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+            restore_args = jax.tree.map(
+                lambda x: (
+                    ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
+                    if getattr(x, "sharding", None) is not None
+                    else ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype)
+                ),
+                tree,
             )
+            args = ocp.args.PyTreeRestore(tree, restore_args=restore_args, partial_restore=partial)
+            state = self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
             raise CheckpointError(
                 f"step {step} cannot be read (damaged or incomplete files): {first_line(e)}"
             ) from None
-        state = restored["state"]
         _verify_checksums(step, manifest, state)
-        return Restored(step, state, restored["meta"])
+        return state
 
     def _set_aside(self, steps: list[int], log, why: str = "damaged") -> None:
         """Move steps out of Orbax's sight as ``<step>.<why>`` (kept for inspection, never deleted)."""
@@ -467,9 +593,11 @@ class Checkpointer:
 
 
 def read_params(directory, step: int | None = None) -> Restored:
-    """The parameters (model layout) and metadata of the latest (or given) step of a checkpoint
-    directory on one device, whatever mesh and optimizer saved them (the target comes from the step's
-    own metadata); each array is checked against the manifest. ``state`` is ``{"params": ...}``.
+    """The saved parameters and metadata of the latest (or given) step of a checkpoint directory, read
+    onto the host (numpy; no device holds them), whatever mesh and optimizer saved them; each array is
+    checked against the manifest. ``state`` is ``{"params": ...}`` as saved: the model's layout for
+    steps saved before jaxmem wrote checkpoints from shards, else the pipeline's layout described by
+    ``meta["layout"]`` (:func:`jaxmem.train.model_params` turns either into the model's tree).
 
     Read-only: it neither creates nor cleans anything, so it is safe beside a run still saving there.
     """
@@ -482,19 +610,23 @@ def read_params(directory, step: int | None = None) -> Restored:
         raise CheckpointError(f"no complete checkpoint in {directory}")
     if step not in steps:
         raise CheckpointError(f"no checkpoint step {step} in {directory}; steps: {steps}")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     logging.getLogger("absl").addFilter(_QUIET_READ_ONLY)  # idempotent
     reader = ocp.CheckpointManager(
         directory,
         # save_interval_steps=0: a read-only manager saves nothing (Orbax warns when it has to set it).
         options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
     )
     try:
         metadata = reader.item_metadata(step)["state"]
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+        target = {"params": jax.tree.map(lambda m: np.zeros((0,), m.dtype), metadata["params"])}
+        restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), target)
         restored = reader.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True),
+                meta=ocp.args.JsonRestore(),
+            ),
         )
     except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
         raise CheckpointError(f"checkpoint step {step} in {directory} cannot be read: {first_line(e)}") from None

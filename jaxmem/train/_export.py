@@ -13,6 +13,7 @@ import numpy as np
 from jaxmem._errors import JaxmemError
 from jaxmem.data import BPETokenizer
 from jaxmem.train._checkpoint import MARKER, read_params
+from jaxmem.train._state_io import model_params
 
 __all__ = [
     "Exported",
@@ -35,9 +36,11 @@ def _path_name(path) -> str:
 
 
 def flatten_params(params) -> dict[str, np.ndarray]:
-    """``{"blocks.0.attn.qkv.kernel": array, ...}``: one entry per array, named by its dict path."""
+    """``{"blocks.0.attn.qkv.kernel": array, ...}``: one entry per array, named by its dict path, each
+    C-contiguous (a transposed view would be written by its buffer, not its values)."""
     return {
-        _path_name(path): np.asarray(jax.device_get(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        _path_name(path): np.ascontiguousarray(jax.device_get(leaf))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
     }
 
 
@@ -102,7 +105,7 @@ def _checkpoint_model(directory: str, step: int | None, model=None):
             )
         model = model_from_description(description)
     # The checkpoint's own tree spells integer keys as strings: re-key through the names.
-    flat = flatten_params(restored.state["params"])
+    flat = flatten_params(model_params(restored.state["params"], restored.meta, model))
     return restored, description, model, unflatten_params(flat, model.abstract_params()), flat
 
 

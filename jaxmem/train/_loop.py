@@ -42,6 +42,8 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         hardware=get_hardware(name),
         batch=config.batch_size,
         seq=config.seq_len,
+        zero=config.zero,
+        vocab_parallel=None if config.vocab_split else False,
     )
     if result.best is None:  # said once, as the error (the search's own explanation says the same)
         need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit
@@ -60,6 +62,7 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         schedule_csv=None,
         stages=best.pipe,
         data_parallel=best.data,
+        fsdp=best.fsdp,
         microbatches=best.microbatches,
         virtual=best.virtual if best.schedule == "interleaved-1f1b" else None,
         policy=best.policy,
@@ -346,6 +349,7 @@ def train(
         "data_parallel": config.data_parallel,
         "fsdp": config.fsdp,
         "zero": config.zero and config.replicas > 1,
+        "vocab_split": trainer.pipeline.vocab is not None,
         "devices": config.num_devices,
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,

@@ -18,6 +18,7 @@ from jaxmem.data import Batch, DataIterator, load_corpus
 from jaxmem.models import StagedModel, describe_model
 from jaxmem.pipeline import Pipeline, PipelineParams, make_mesh
 from jaxmem.train._state import TrainState, global_put, to_device
+from jaxmem.train._state_io import TrainStateReader, nest
 
 __all__ = ["Trainer", "abstract_state", "learning_rate", "make_optimizer"]
 
@@ -41,11 +42,13 @@ def learning_rate(config: TrainConfig):
 
 
 def _decay_mask(params):
-    """True for matrices: in the pipeline layout a layer's leaves carry two leading axes (rank, layer)."""
+    """True for matrices: in the pipeline layout a layer's leaves carry two leading axes (rank, layer),
+    the split vocabulary's tables one (rank)."""
     if isinstance(params, PipelineParams):
         return PipelineParams(
             stages=jax.tree.map(lambda x: x.ndim >= 4, params.stages),
             shared=jax.tree.map(lambda x: x.ndim >= 2, params.shared),
+            vocab=jax.tree.map(lambda x: x.ndim >= 3, params.vocab),
         )
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
@@ -96,6 +99,7 @@ class Trainer:
             layer_counts=config.layers_per_stage,
             policy=config.policy,
             zero=config.zero,
+            vocab_parallel=None if config.vocab_split else False,
         )
         self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
         self.pipeline.check_batch(self.batch_spec())
@@ -239,23 +243,11 @@ class Trainer:
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, data=data), metrics, batch
 
     # ------------------------------------------------------------------ checkpoints
-    def _replicated(self):
-        return NamedSharding(self.mesh, P())
-
-    def _to_model_layout(self, tree):
-        """Every PipelineParams in ``tree`` (the parameters, Adam's moments) in the model's layout."""
-        return jax.tree.map(
-            lambda x: self.pipeline.to_model_params(x) if isinstance(x, PipelineParams) else x,
-            tree,
-            is_leaf=lambda x: isinstance(x, PipelineParams),
-        )
-
     def export_state(self, state: TrainState) -> tuple[dict, dict]:
-        """The state in the model's layout (replicated: any mesh can restore it) and its metadata."""
-        to_model = self._to_model_layout
-        exported = jax.jit(
-            lambda p, o: {"params": to_model(p), "opt_state": to_model(o)}, out_shardings=self._replicated()
-        )(to_device(state.params), to_device(state.opt_state))
+        """What a checkpoint step holds: the parameters and optimizer state as they are (the pipeline's
+        layout and shardings, nothing gathered or copied; :mod:`jaxmem.train._state_io`) and the
+        metadata, with the layout they were saved in."""
+        exported = nest({"params": state.params, "opt_state": state.opt_state})
         config = self.config
         meta = {
             "step": state.step,
@@ -264,6 +256,7 @@ class Trainer:
             "model_spec": describe_model(self.model),
             "tokenizer": None if self.tokenizer is None else self.tokenizer.name,
             "data": state.data.state(),
+            "layout": self.pipeline.param_layout.to_json(),
             "plan": {
                 "schedule": self.schedule.name,
                 "stages": config.stages,
@@ -278,41 +271,22 @@ class Trainer:
         }
         return exported, meta
 
-    def restore_target(self) -> dict:
-        """Abstract model-layout state with this trainer's (replicated) shardings, for restoring."""
-        abstract_params = self.pipeline.abstract_params()
-        to_model = self._to_model_layout
-        abstract = jax.eval_shape(
-            lambda p: {"params": to_model(p), "opt_state": to_model(self.optimizer.init(p))}, abstract_params
-        )
-        replicated = self._replicated()
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
+    def restore_target(self) -> TrainStateReader:
+        """How to read a checkpoint step into this trainer's layout and shardings (any step: another
+        mesh, another stage split, an older jaxmem's layout), for :meth:`Checkpointer.restore`."""
+        return TrainStateReader(self)
 
     def import_state(self, state: dict, meta: dict) -> TrainState:
-        """A restored model-layout state laid out for this trainer's pipeline."""
+        """A restored state (``{"params", "opt_state"}``, read through :meth:`restore_target`) and its
+        metadata as this trainer's :class:`TrainState`, after checking that the run may go on from it
+        (same seed, data and data order)."""
         if meta.get("seed") is not None and meta["seed"] != self.config.seed:
             raise JaxmemError(
                 f"the checkpoint at step {meta['step']} was trained with --seed {meta['seed']}, this run has "
                 f"--seed {self.config.seed}: the data order would change mid-run. Resume with --seed "
                 f"{meta['seed']}, or start a new --checkpoint-dir"
             )
-        pipeline = self.pipeline
-        target_opt = jax.eval_shape(self.optimizer.init, pipeline.abstract_params())
-
-        def relayout(params, opt_state):
-            opt = jax.tree.map(
-                lambda target, value: (
-                    pipeline.from_model_params(value) if isinstance(target, PipelineParams) else value
-                ),
-                target_opt,
-                opt_state,
-                is_leaf=lambda x: isinstance(x, PipelineParams),
-            )
-            return pipeline.from_model_params(params), opt
-
-        params, opt_state = jax.jit(relayout, out_shardings=(pipeline.shardings(), self.opt_state_shardings()))(
-            state["params"], state["opt_state"]
-        )
+        params, opt_state = state["params"], state["opt_state"]
         from jaxmem.data import ORDER
 
         if meta["data"].get("order") != ORDER:
