@@ -16,12 +16,14 @@ Figures are the compiled step's (``Trainer.measure_memory()``, rank 0's categori
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from plan_ranking import write_record  # noqa: E402
 
 from jaxmem.cli.memory import ledger_report  # noqa: E402
 from jaxmem.config import TrainConfig  # noqa: E402
@@ -69,12 +71,7 @@ def main(argv=None) -> None:
         "static_ratio_fsdp_vs_whole": rows[2]["compiled_static_bytes"] / rows[0]["compiled_static_bytes"],
         "tensor_axis": "not implemented yet (no P=2 x T=2 row)",
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-    if args.json:
-        print(json.dumps(record, indent=2))
-    else:
+    if not write_record(record, args.out, args.json):
         for r in rows:
             print(
                 f"{r['layout']:8s} static {r['compiled_static_bytes'] / 2**20:7.2f} MiB compiled, "

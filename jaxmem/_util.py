@@ -81,6 +81,13 @@ def with_host_devices(flags: str, count: int) -> str:
     return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
 
 
+def tree_get(tree, path):
+    """The entry of a nested dict (or sequence) at ``path``."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 def tree_without(tree, path: tuple) -> dict:
     """A copy of a nested dict without the entry at ``path`` (a parent left empty goes too, as it
     does from the state of a module whose only child was that entry)."""

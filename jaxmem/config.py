@@ -224,6 +224,12 @@ class TrainConfig:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
 
     @property
+    def vocab_parallel(self) -> bool | None:
+        """``Pipeline(vocab_parallel=...)`` for ``vocab_split``: None (split where the model declares its
+        tables and there are several pipe ranks) or False."""
+        return None if self.vocab_split else False
+
+    @property
     def replicas(self) -> int:
         """Replicas the batch is split over: data-parallel x fsdp."""
         return self.data_parallel * self.fsdp

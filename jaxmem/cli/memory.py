@@ -102,7 +102,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
         data_parallel=config.data_parallel,
         fsdp=config.fsdp,
         zero=config.zero,
-        vocab_parallel=None if config.vocab_split else False,
+        vocab_parallel=config.vocab_parallel,
         layer_counts=config.layers_per_stage,
     )
     devices = config.num_devices

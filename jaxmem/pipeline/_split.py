@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import tree_get
 from jaxmem.models import EMBED_KEY, HEAD_KEY, layer_batch
 from jaxmem.pipeline._vocab import join_vocab, split_vocab, with_vocab_placeholders
 
@@ -212,7 +213,4 @@ class ParamLayout:
 
 def vocab_size(model) -> int:
     """Rows of the model's token embedding (its :class:`~jaxmem.models.VocabParallel` table)."""
-    node = model.split(model.abstract_params())[1]
-    for key in model.vocab.table:
-        node = node[key]
-    return int(node.shape[0])
+    return int(tree_get(model.split(model.abstract_params())[1], model.vocab.table).shape[0])

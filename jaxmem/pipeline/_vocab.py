@@ -31,18 +31,13 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxmem._util import tree_get as _get
 from jaxmem._util import tree_with as _with
 from jaxmem._util import tree_without as _without
 
 __all__ = ["join_vocab", "split_vocab", "vocab_rows", "with_vocab_placeholders"]
 
 _MASKED = -1e30  # a padded column's logit: exp(-1e30 - max) is 0, and no inf - inf arises
-
-
-def _get(tree: Mapping, path):
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def vocab_rows(vocab_size: int, ranks: int) -> int:

@@ -37,6 +37,7 @@ import re
 import shutil
 import socket
 import sys
+import typing
 import zlib
 from pathlib import Path
 
@@ -168,20 +169,19 @@ def _legacy_crc32(value) -> int:
     return zlib.crc32(np.ascontiguousarray(_host_value(value)).tobytes())
 
 
-class StateReader:
+@typing.runtime_checkable
+class StateReader(typing.Protocol):
     """How a run reads a step whose arrays are not simply its own state's (another stage split, an
     older layout): ``expected(meta)`` gives the arrays as saved (abstract; their names and shapes are
     checked against the step's manifest before anything is read) and ``read(meta, fetch)`` builds the
     state, reading with ``fetch(tree, partial=False)`` (:meth:`Checkpointer._fetch`)."""
 
-    def expected(self, meta: dict):
-        raise NotImplementedError
+    def expected(self, meta: dict): ...
 
-    def read(self, meta: dict, fetch):
-        raise NotImplementedError
+    def read(self, meta: dict, fetch): ...
 
 
-class SameArrays(StateReader):
+class SameArrays:
     """The step holds exactly ``target``'s arrays (abstract, with the shardings to read them onto)."""
 
     def __init__(self, target):

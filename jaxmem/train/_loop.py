@@ -43,7 +43,7 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         batch=config.batch_size,
         seq=config.seq_len,
         zero=config.zero,
-        vocab_parallel=None if config.vocab_split else False,
+        vocab_parallel=config.vocab_parallel,
     )
     if result.best is None:  # said once, as the error (the search's own explanation says the same)
         need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit

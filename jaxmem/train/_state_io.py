@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmem._util import tree_get as _get
 from jaxmem._util import tree_with
 from jaxmem.pipeline import ParamLayout, PipelineParams, vocab_rows, vocab_size
 from jaxmem.train._checkpoint import StateReader
@@ -48,12 +49,6 @@ def _insert(tree: dict, keys, value) -> None:
     for key in keys[:-1]:
         tree = tree.setdefault(key, {})
     tree[keys[-1]] = value
-
-
-def _get(tree, keys):
-    for key in keys:
-        tree = tree[key]
-    return tree
 
 
 def nest(tree) -> dict:
@@ -192,6 +187,7 @@ class TrainStateReader(StateReader):
         vocab = {}
         if not moves:
             return shared, vocab
+        size = vocab_size(self.trainer.model)
         for name, path in spec.paths().items():
             if saved.vocab_ranks:
                 keys = (*prefix, "vocab", name)
@@ -201,7 +197,6 @@ class TrainStateReader(StateReader):
                 keys = (*prefix, "shared", *path)
                 value = _get(fetch(_nested(keys, _host(_get(shapes, keys))), partial=True), keys)
                 rows = value if name == "table" else value.T
-            size = self._vocab_size()
             rows = rows[:size]
             if self.layout.vocab_ranks:
                 ranks = self.layout.vocab_ranks
@@ -213,9 +208,6 @@ class TrainStateReader(StateReader):
                 value = rows if name == "table" else np.ascontiguousarray(rows.T)
                 shared = tree_with(shared, tuple(path), global_put(value, _get(item.shared, path).sharding))
         return shared, vocab
-
-    def _vocab_size(self) -> int:
-        return vocab_size(self.trainer.model)
 
 
 def _is_keys(x) -> bool:

@@ -99,7 +99,7 @@ class Trainer:
             layer_counts=config.layers_per_stage,
             policy=config.policy,
             zero=config.zero,
-            vocab_parallel=None if config.vocab_split else False,
+            vocab_parallel=config.vocab_parallel,
         )
         self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
         self.pipeline.check_batch(self.batch_spec())
