@@ -17,6 +17,7 @@ _INTEGER_FIELDS = {
     "microbatches": 1,
     "data_parallel": 1,
     "fsdp": 1,
+    "tensor": 1,
     "steps": 1,
     "seq_len": 1,
     "batch_size": 1,
@@ -52,12 +53,14 @@ class TrainConfig:
         virtual: stages per rank for interleaved-1f1b.
         data_parallel: data-parallel replicas D holding whole parameters.
         fsdp: data-parallel replicas F holding a shard of every parameter (FSDP), gathered per use;
-            devices used = D x F x P, and the batch is split over D x F replicas.
+            devices used = D x F x P x T, and the batch is split over D x F replicas.
+        tensor: devices T computing each microbatch together, cutting the dimensions the model's
+            ``nnx.with_partitioning`` annotations name (tensor parallelism, left to XLA's partitioner).
         zero: shard the optimizer state and the step's gradients over the replicas (ZeRO-1/2; the
             default; no effect with one replica).
         vocab_split: split the token embedding and the head over the pipe ranks by vocabulary rows
             (the default, for models that declare their tables; no effect with one rank).
-        devices: virtual CPU devices to create when there is no accelerator (default D x F x P).
+        devices: virtual CPU devices to create when there is no accelerator (default D x F x P x T).
         steps: optimizer steps.
         seq_len: tokens per sequence.
         batch_size: global batch (sequences per step); divisible by D x M.
@@ -120,6 +123,7 @@ class TrainConfig:
     virtual: int | None = None
     data_parallel: int = 1
     fsdp: int = 1
+    tensor: int = 1
     zero: bool = True
     vocab_split: bool = True
     devices: int | None = None
@@ -236,8 +240,8 @@ class TrainConfig:
 
     @property
     def num_devices(self) -> int:
-        """Devices the run's mesh takes: data-parallel x fsdp x stages."""
-        return self.data_parallel * self.fsdp * self.stages
+        """Devices the run's mesh takes: data-parallel x fsdp x stages x tensor."""
+        return self.data_parallel * self.fsdp * self.stages * self.tensor
 
     @property
     def model_name(self) -> str:
@@ -321,9 +325,16 @@ def add_arguments(p) -> None:
         help="data-parallel replicas F that shard every parameter and gather it per use (FSDP; default 1)",
     )
     g.add_argument(
+        "--tensor",
+        type=int,
+        help="devices T that compute each microbatch together, cutting the dimensions the model's "
+        "annotations name (tensor parallelism; default 1)",
+    )
+    g.add_argument(
         "--mesh",
         metavar="AXES",
-        help="the mesh in one flag, e.g. data=2,fsdp=2,pipe=2 (sets --data-parallel, --fsdp and --stages)",
+        help="the mesh in one flag, e.g. data=2,fsdp=2,pipe=2,tensor=2 (sets --data-parallel, --fsdp, --stages "
+        "and --tensor)",
     )
     g.add_argument(
         "--no-zero",
@@ -434,14 +445,15 @@ def from_args(args) -> TrainConfig:
 
 
 # --mesh axis names and the settings they are.
-MESH_FIELDS = {"data": "data_parallel", "fsdp": "fsdp", "pipe": "stages"}
+MESH_FIELDS = {"data": "data_parallel", "fsdp": "fsdp", "pipe": "stages", "tensor": "tensor"}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``data=2,fsdp=2,pipe=2`` -> ``{"data": 2, "fsdp": 2, "pipe": 2}`` (axes left out are 1).
+    """``data=2,fsdp=2,pipe=2`` -> ``{"data": 2, "fsdp": 2, "pipe": 2, "tensor": 1}`` (axes left out
+    are 1).
 
     >>> parse_mesh("pipe=4,data=2")
-    {'data': 2, 'fsdp': 1, 'pipe': 4}
+    {'data': 2, 'fsdp': 1, 'pipe': 4, 'tensor': 1}
     """
     sizes = dict.fromkeys(MESH_FIELDS, 1)
     seen = set()
@@ -451,7 +463,7 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not eq or name not in MESH_FIELDS or not value.strip().isdigit() or int(value) < 1:
             raise JaxmemError(
                 f"--mesh takes axis=size pairs over {', '.join(MESH_FIELDS)} with sizes >= 1, e.g. "
-                f"data=2,fsdp=2,pipe=2; got {text!r}"
+                f"data=2,fsdp=2,pipe=2,tensor=2; got {text!r}"
             )
         if name in seen:
             raise JaxmemError(f"--mesh names {name} twice: {text!r}")

@@ -135,6 +135,7 @@ def verify(
     model=None,
     data_parallel: int = 1,
     fsdp: int = 1,
+    tensor: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
     policy=None,
@@ -154,6 +155,7 @@ def verify(
             or None for the tiny GPT's copy.
         data_parallel: replicas holding whole parameters.
         fsdp: replicas holding a shard of each parameter (FSDP).
+        tensor: devices cutting the dimensions the model's annotations name (tensor parallelism).
         zero: shard the optimizer state and the returned gradients over the replicas.
         vocab_parallel: split the vocabulary tables over the pipe ranks (default: where the model
             declares them and there are several ranks).
@@ -173,15 +175,15 @@ def verify(
     if model is None or isinstance(model, str):
         model = verification_model(schedule.num_stages, model or "tiny")
     model = get_model(model)
-    devices = data_parallel * fsdp * schedule.num_ranks
+    devices = data_parallel * fsdp * schedule.num_ranks * tensor
     if devices > jax.device_count():
         raise JaxmemError(
-            f"verifying needs data({data_parallel}) x fsdp({fsdp}) x pipe({schedule.num_ranks}) = {devices} "
-            f"devices, {jax.device_count()} available; on CPU pass --devices {devices}"
+            f"verifying needs data({data_parallel}) x fsdp({fsdp}) x pipe({schedule.num_ranks}) x tensor({tensor}) "
+            f"= {devices} devices, {jax.device_count()} available; on CPU pass --devices {devices}"
         )
     model.check_batch(seq_len)
     drop_layers = frozenset(drop_layers)
-    mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp)
+    mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp, tensor=tensor)
     pipe = Pipeline(
         model, schedule, mesh, policy=policy, drop_layers=drop_layers, zero=zero, vocab_parallel=vocab_parallel
     )
@@ -255,6 +257,7 @@ def verify(
         "microbatches": schedule.num_microbatches,
         "data_parallel": data_parallel,
         "fsdp": fsdp,
+        "tensor": tensor,
         "zero": zero and replicas > 1,
         "layers": model.n_layers,
         "drop_layers": sorted(drop_layers),

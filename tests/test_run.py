@@ -406,7 +406,7 @@ def test_a_failed_background_save_stops_the_run_at_once_and_the_last_step_restor
     # small wrapper that then execs the run: a preexec_fn would fork this multithreaded JAX process.)
     limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
                "(65536, 65536)); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])", *argv[1:]]  # fmt: skip
-    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}  # keep the suite's shared cache whole
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}  # no cache writes under the size limit
     failed = subprocess.run([*limited, "--steps", "400", "--checkpoint-every", "10"], capture_output=True,
                             text=True, timeout=240, env=env)  # fmt: skip
     err = failed.stderr

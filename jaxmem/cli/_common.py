@@ -39,7 +39,7 @@ non_negative_float = _number(float, 0.0, False, "a finite number >= 0")
 
 
 def add_mesh_arguments(p) -> None:
-    """``--data-parallel``, ``--fsdp``, ``--mesh``, ``--no-zero`` and ``--no-vocab-split`` (with
+    """``--data-parallel``, ``--fsdp``, ``--tensor``, ``--mesh``, ``--no-zero`` and ``--no-vocab-split`` (with
     ``--stages``, which the command adds itself): the mesh of a command that builds one step, as
     ``jaxmem train`` takes it."""
     p.add_argument(
@@ -48,7 +48,17 @@ def add_mesh_arguments(p) -> None:
     p.add_argument(
         "--fsdp", type=positive_int, help="data-parallel replicas sharding every parameter (FSDP; default 1)"
     )
-    p.add_argument("--mesh", metavar="AXES", help="e.g. data=2,fsdp=2,pipe=2 (sets --data-parallel, --fsdp, --stages)")
+    p.add_argument(
+        "--tensor",
+        type=positive_int,
+        help="devices computing each microbatch together, cutting the dimensions the model's annotations "
+        "name (tensor parallelism; default 1)",
+    )
+    p.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="e.g. data=2,fsdp=2,pipe=2,tensor=2 (sets --data-parallel, --fsdp, --stages, --tensor)",
+    )
     p.add_argument(
         "--no-zero",
         dest="zero",
@@ -64,7 +74,7 @@ def add_mesh_arguments(p) -> None:
 
 
 def resolve_mesh(args, stages: int = 4) -> None:
-    """Fold ``--mesh`` into ``args.data_parallel``, ``args.fsdp`` and ``args.stages`` (refusing a flag
+    """Fold ``--mesh`` into ``args.data_parallel``, ``args.fsdp``, ``args.stages`` and ``args.tensor`` (refusing a flag
     that says the same twice) and fill the defaults (``stages`` pipeline ranks)."""
     from jaxmem.config import MESH_FIELDS, parse_mesh
 
@@ -77,6 +87,7 @@ def resolve_mesh(args, stages: int = 4) -> None:
             setattr(args, field, size)
     args.data_parallel = args.data_parallel or 1
     args.fsdp = args.fsdp or 1
+    args.tensor = args.tensor or 1
     args.stages = args.stages or stages
 
 

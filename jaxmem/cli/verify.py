@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
     add_mesh_arguments(p)
-    p.add_argument("--devices", type=positive_int, help="virtual CPU devices (default data x fsdp x pipe)")
+    p.add_argument("--devices", type=positive_int, help="virtual CPU devices (default data x fsdp x pipe x tensor)")
     p.add_argument("--policy", help="memory policy preset or TOML file")
     p.add_argument("--drop-layers", help="layers to skip in both computations (layer drop), e.g. 1,3")
     p.add_argument("--loss-mask", action="store_true", help="mask a random 30%% of the targets out of the loss")
@@ -58,7 +58,7 @@ def run(args) -> int:
     else:
         schedule = sch.generate(args.schedule or "1f1b", args.stages, args.microbatches, args.virtual)
     drop = frozenset(parse_int_list(args.drop_layers, "--drop-layers")) if args.drop_layers else frozenset()
-    setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks)
+    setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks * args.tensor)
     from jaxmem.verify import verification_model, verify
 
     overrides = {k: v for k, v in (("dtype", args.dtype), ("param_dtype", args.param_dtype)) if v}
@@ -68,6 +68,7 @@ def run(args) -> int:
         model=model,
         data_parallel=args.data_parallel,
         fsdp=args.fsdp,
+        tensor=args.tensor,
         zero=args.zero,
         vocab_parallel=None if args.vocab_split else False,
         policy=args.policy,
@@ -81,7 +82,8 @@ def run(args) -> int:
         print(
             f"{status}: {result['model']} ({result['dtype']}), {result['schedule']} (P={result['ranks']}, "
             f"stages={result['stages']}, M={result['microbatches']}, data={result['data_parallel']}"
-            f"{', fsdp=' + str(result['fsdp']) if result['fsdp'] > 1 else ''}): max |diff| "
+            f"{', fsdp=' + str(result['fsdp']) if result['fsdp'] > 1 else ''}"
+            f"{', tensor=' + str(result['tensor']) if result['tensor'] > 1 else ''}): max |diff| "
             f"{result['max_abs_diff']:.2e}, max relative {result['max_rel_diff']:.2e}, loss "
             f"{result['loss']:.6f} vs {result['loss_plain']:.6f} [{result['tolerance']}]"
             + ("" if result["ok"] else f"; first mismatch at {result['first_mismatch']}")

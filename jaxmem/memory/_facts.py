@@ -162,27 +162,30 @@ class ModelFacts:
         *,
         data: int = 1,
         fsdp: int = 1,
+        tensor: int = 1,
         zero: bool = True,
         vocab: bool = False,
     ) -> StaticBytes:
         """Per-device static bytes of the pipeline layout: ``ranks`` pipe ranks holding ``virtual``
-        stages of (at most) ``layers`` layers each, on a ``data x fsdp x ranks`` mesh (``vocab``: the
-        vocabulary tables split over the ranks; they count with the shared parameters)."""
-        key = ("static", ranks, layers, virtual, data, fsdp, zero, vocab)
+        stages of (at most) ``layers`` layers each, on a ``data x fsdp x ranks x tensor`` mesh
+        (``vocab``: the vocabulary tables split over the ranks; they count with the shared
+        parameters; ``tensor`` cuts the dimensions the model's annotations name)."""
+        key = ("static", ranks, layers, virtual, data, fsdp, tensor, zero, vocab)
         if key not in self._cache:
             import jax
 
-            from jaxmem.pipeline import PipelineParams, placement_of, split_vocab
+            from jaxmem.pipeline import PipelineParams, layout_axes, placement_of, split_vocab
 
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, layers, *a.shape), a.dtype), self._layer)
             shared, tables = self._shared, {}
             if vocab:
                 shared, tables = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, ranks), self._shared)
             abstract = PipelineParams(stages=(stage,), shared=shared, vocab=tables)
-            sizes = {"data": data, "fsdp": fsdp, "pipe": ranks}
-            placement = placement_of(abstract, sizes, zero=zero)
+            sizes = {"data": data, "fsdp": fsdp, "pipe": ranks, "tensor": tensor}
+            axes = layout_axes(self.model, 1, vocab) if tensor > 1 else None
+            placement = placement_of(abstract, sizes, zero=zero, axes=None if axes is None else PipelineParams(*axes))
 
-            def per_device(tree, places, which):
+            def per_device(tree, places, which, sizes=sizes):
                 return float(
                     sum(
                         p.device_elems(which, sizes) * np.dtype(a.dtype).itemsize
@@ -192,8 +195,14 @@ class ModelFacts:
 
             stage_params = per_device(stage, placement.stages[0], "params")
             shared_params = per_device(shared, placement.shared, "params")
-            whole_stage = layers * self.layer_bytes
-            gathered = (whole_stage - stage_params) + (_tree_bytes(shared) - shared_params) if fsdp > 1 else 0.0
+            # What a running stage holds once gathered over fsdp (still cut over tensor).
+            unsharded = {**sizes, "fsdp": 1}
+            gathered = (
+                per_device(stage, placement.stages[0], "params", unsharded)
+                - stage_params
+                + per_device(shared, placement.shared, "params", unsharded)
+                - shared_params
+            )
             self._cache[key] = StaticBytes(
                 stage_params=(stage_params,) * virtual,
                 shared_params=shared_params + per_device(tables, placement.vocab, "params"),

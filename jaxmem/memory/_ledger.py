@@ -114,6 +114,7 @@ def predict(
     seq: int,
     data_parallel: int = 1,
     fsdp: int = 1,
+    tensor: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
     layer_counts=None,
@@ -130,6 +131,10 @@ def predict(
         batch, seq: global batch (sequences) and sequence length.
         data_parallel: data-parallel replicas holding whole parameters.
         fsdp: data-parallel replicas holding a shard of each parameter (FSDP).
+        tensor: devices cutting the dimensions the model's annotations name. The parameters, their
+            gradients and optimizer state are counted as cut; activations, the stash and the working
+            set are counted whole on each tensor device (the executor keeps stashed residuals whole
+            over ``tensor``; the cut part of the working set is not subtracted, an over-prediction).
         zero: the optimizer state is sharded over the replicas (ZeRO).
         vocab_parallel: the vocabulary tables are split over the pipe ranks (default: as the
             :class:`~jaxmem.pipeline.Pipeline` does, when the model says where they are and P > 1).
@@ -158,7 +163,14 @@ def predict(
     opt_host = [resolved.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(virtual)]
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
     static = facts.static_bytes(
-        schedule.num_ranks, max(max(counts), 1), virtual, data=data_parallel, fsdp=fsdp, zero=zero, vocab=vocab
+        schedule.num_ranks,
+        max(max(counts), 1),
+        virtual,
+        data=data_parallel,
+        fsdp=fsdp,
+        tensor=tensor,
+        zero=zero,
+        vocab=vocab,
     )
 
     def split(per_stage, shared, on_host) -> Bytes:
@@ -211,7 +223,7 @@ def predict(
     transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
     meta = _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source)
-    meta.update({"fsdp": fsdp, "zero": zero and replicas > 1, "vocab_parallel": vocab})
+    meta.update({"fsdp": fsdp, "tensor": tensor, "zero": zero and replicas > 1, "vocab_parallel": vocab})
     return Ledger("predicted", ranks, meta)
 
 

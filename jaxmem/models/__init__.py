@@ -1,9 +1,11 @@
 """The model interface (:class:`StagedModel`, :func:`from_nnx`) and the built-in models: a GPT and a
 Llama-style decoder in Flax NNX, with ``checkpoint_name`` tags on their activations."""
 
+from jaxmem.models._interface import AXIS_RULES as AXIS_RULES
 from jaxmem.models._interface import EMBED_KEY as EMBED_KEY
 from jaxmem.models._interface import HEAD_KEY as HEAD_KEY
 from jaxmem.models._interface import RNG_SPEC as RNG_SPEC
+from jaxmem.models._interface import ParamAxes as ParamAxes
 from jaxmem.models._interface import StagedModel as StagedModel
 from jaxmem.models._interface import VocabParallel as VocabParallel
 from jaxmem.models._interface import batch_positions as batch_positions

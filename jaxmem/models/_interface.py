@@ -35,6 +35,8 @@ from jaxmem._util import tree_without as _without
 from jaxmem.policy import TagSet
 
 __all__ = [
+    "AXIS_RULES",
+    "ParamAxes",
     "StagedModel",
     "VocabParallel",
     "batch_positions",
@@ -216,6 +218,79 @@ class VocabParallel:
         return {"table": self.table} if self.tied else {"table": self.table, "head": self.head}
 
 
+# Logical axis names (MaxText's and Flax's usual ones) -> the mesh axis jaxmem cuts them over. Only
+# ``tensor`` is taken from a model: jaxmem places ``data``, ``fsdp`` and ``pipe`` itself.
+AXIS_RULES: dict[str, str | None] = {
+    "tensor": "tensor",
+    "heads": "tensor",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamAxes:
+    """The mesh axis (or None) of each dimension of one parameter, from the model's annotations.
+
+    A leaf of :attr:`StagedModel.axes` (a class, not a tuple, so that a tree of them has the
+    parameters' structure).
+
+    Attributes:
+        axes: one mesh axis name (or None) per dimension.
+        unit: the ``tensor`` cut falls on multiples of this many elements (an attention head's
+            width: a cut through a head would need the devices to trade halves of it). A dimension
+            ``tensor`` times ``unit`` does not divide is kept whole on every device, as Megatron keeps
+            the key/value heads whole when there are fewer of them than tensor ranks. From the
+            annotation's ``tensor_unit`` metadata (``nnx.with_partitioning(init, names,
+            tensor_unit=head_dim)``).
+
+    >>> ParamAxes((None, "tensor")).dim("tensor")
+    1
+    """
+
+    axes: tuple[str | None, ...] = ()
+    unit: int = 1
+
+    def dim(self, axis: str) -> int | None:
+        """The dimension cut over ``axis`` (None: none)."""
+        return next((d for d, a in enumerate(self.axes) if a == axis), None)
+
+
+def _param_axes(state, rules: Mapping[str, str | None], name: str) -> dict:
+    """A pure-dict tree of :class:`ParamAxes` from the ``nnx.Param`` variables' sharding annotations
+    (``nnx.with_partitioning``: logical names mapped by ``rules``, names not in them left whole)."""
+    from flax import nnx
+
+    tree: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        meta = var.get_metadata()
+        names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding") or ()
+        names = tuple(names)
+        if names and len(names) != len(var.shape):
+            raise JaxmemError(
+                f"model {name!r}: parameter {'.'.join(map(str, path))} of shape {tuple(var.shape)} is annotated "
+                f"with {len(names)} axis names {names}; give one per dimension"
+            )
+        axes = tuple(rules.get(n) if isinstance(n, str) else None for n in names)
+        if sum(a == "tensor" for a in axes) > 1:
+            raise JaxmemError(
+                f"model {name!r}: parameter {'.'.join(map(str, path))} maps two dimensions to 'tensor' "
+                f"({names}); cut one dimension per mesh axis"
+            )
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        unit = meta.get("tensor_unit", 1)
+        if not isinstance(unit, int) or isinstance(unit, bool) or unit < 1:
+            raise JaxmemError(
+                f"model {name!r}: parameter {'.'.join(map(str, path))} has tensor_unit={unit!r}; give a positive "
+                "int (the width of the smallest piece a tensor cut may hand a device, e.g. a head's)"
+            )
+        node[path[-1]] = ParamAxes(axes, unit)
+    return tree
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class StagedModel:
     """A model as a pipeline sees it.
@@ -247,6 +322,8 @@ class StagedModel:
         vocab: where the vocabulary tables are (:class:`VocabParallel`), so that a pipeline splits
             them over its ranks instead of keeping them whole on each; None: the embedding and head
             are kept whole (and sharded only by ``fsdp`` and ZeRO).
+        axes: a tree like the parameters of :class:`ParamAxes`: the dimensions a mesh's ``tensor``
+            axis cuts (:func:`from_nnx` reads them from ``nnx.with_partitioning``); None: none.
     """
 
     name: str
@@ -266,6 +343,7 @@ class StagedModel:
     rng: bool = False
     logits: Callable | None = None
     vocab: VocabParallel | None = None
+    axes: object = None
 
     def __post_init__(self):
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -381,6 +459,7 @@ def from_nnx(
     rng: bool = False,
     logits: Callable | None = None,
     vocab: VocabParallel | None = None,
+    axis_rules: Mapping[str, str | None] | None = None,
 ) -> StagedModel:
     """A :class:`StagedModel` from a Flax NNX module, using the module's own code for the math.
 
@@ -407,6 +486,11 @@ def from_nnx(
         vocab: where the vocabulary tables are, for a pipeline to split them over its ranks
             (:class:`VocabParallel`, its ``embed`` and ``hidden`` taking the module without its layers);
             optional: without it they are kept whole.
+        axis_rules: logical axis name -> mesh axis, for the parameters' ``nnx.with_partitioning``
+            annotations (default :data:`AXIS_RULES`: ``heads``, ``kv_heads``, ``mlp`` and ``tensor``
+            itself go to the ``tensor`` axis). Only ``tensor`` is taken from the model; names that map
+            elsewhere or nowhere leave the dimension to jaxmem's own placement. The module is built
+            without eager sharding (``nnx.use_eager_sharding(False)``), so no mesh context is needed.
 
     Only ``nnx.Param`` variables are trained. A model with other stored state (batch statistics, RNG
     streams kept in the module) is refused with the variables named.
@@ -433,7 +517,7 @@ def from_nnx(
     if factory is not None and not callable(factory):
         raise JaxmemError(f"from_nnx takes an nnx.Module or a factory rngs -> module, got {type(model).__name__}")
     if factory is not None:
-        with _cheap_tracer_attribute_errors():
+        with _cheap_tracer_attribute_errors(), nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
     else:
         abstract = model
@@ -510,7 +594,8 @@ def from_nnx(
     if factory is not None:
 
         def init(seed: int):
-            return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(seed)), nnx.Param))
+            with nnx.use_eager_sharding(False):
+                return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(seed)), nnx.Param))
 
     else:
         current = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -572,6 +657,7 @@ def from_nnx(
         analytic=analytic,
         rng=bool(rng),
         logits=logits_fn,
+        axes=_param_axes(params, AXIS_RULES if axis_rules is None else axis_rules, name),
     )
     if factory is not None:  # the abstract module built above is what init(0) would give: keep its shapes
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(params))

@@ -6,6 +6,7 @@ would), carrying the closed-form figures the ledger's fast path uses."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -107,11 +108,15 @@ class Block(nnx.Module):
         proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layers))
         self.n_heads = config.n_heads
         self.ln1 = nnx.LayerNorm(d, **kw)
+        # A tensor axis cuts the MLP Megatron's way (columns of fc, rows of out). The fused qkv is
+        # kept whole: its [q | k | v] column order would cut across heads, not between them.
+        # Annotations only (eager_sharding=False): the module still builds outside a mesh.
+        part, zeros = functools.partial(nnx.with_partitioning, eager_sharding=False), nnx.initializers.zeros_init()
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, **kw)
         self.proj = nnx.Linear(d, d, kernel_init=proj_init, **kw)
         self.ln2 = nnx.LayerNorm(d, **kw)
-        self.fc = nnx.Linear(d, f, kernel_init=init, **kw)
-        self.out = nnx.Linear(f, d, kernel_init=proj_init, **kw)
+        self.fc = nnx.Linear(d, f, kernel_init=part(init, (None, "mlp")), bias_init=part(zeros, ("mlp",)), **kw)
+        self.out = nnx.Linear(f, d, kernel_init=part(proj_init, ("mlp", None)), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, seq, d = x.shape

@@ -11,6 +11,7 @@ hidden width of about 8/3 of the model, grouped-query attention); the code is ou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -160,14 +161,20 @@ class LlamaBlock(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.n_heads, self.n_kv_heads, self.rope_theta = config.n_heads, config.n_kv_heads, config.rope_theta
         self.attn_norm = nnx.RMSNorm(d, epsilon=config.norm_eps, **kw)
-        self.wq = nnx.Linear(d, config.n_heads * hd, use_bias=False, kernel_init=init, **kw)
-        self.wk = nnx.Linear(d, config.n_kv_heads * hd, use_bias=False, kernel_init=init, **kw)
-        self.wv = nnx.Linear(d, config.n_kv_heads * hd, use_bias=False, kernel_init=init, **kw)
-        self.wo = nnx.Linear(config.n_heads * hd, d, use_bias=False, kernel_init=init, **kw)
+        # Megatron's split for a tensor axis: whole heads and the MLP's hidden units. Annotations
+        # only (eager_sharding=False): the module still builds outside a mesh, e.g. from an export.
+        part = functools.partial(nnx.with_partitioning, eager_sharding=False)
+        cols, rows = part(init, (None, "heads"), tensor_unit=hd), part(init, ("heads", None), tensor_unit=hd)
+        kv_cols = part(init, (None, "kv_heads"), tensor_unit=hd)
+        self.wq = nnx.Linear(d, config.n_heads * hd, use_bias=False, kernel_init=cols, **kw)
+        self.wk = nnx.Linear(d, config.n_kv_heads * hd, use_bias=False, kernel_init=kv_cols, **kw)
+        self.wv = nnx.Linear(d, config.n_kv_heads * hd, use_bias=False, kernel_init=kv_cols, **kw)
+        self.wo = nnx.Linear(config.n_heads * hd, d, use_bias=False, kernel_init=rows, **kw)
         self.mlp_norm = nnx.RMSNorm(d, epsilon=config.norm_eps, **kw)
-        self.w_gate = nnx.Linear(d, f, use_bias=False, kernel_init=init, **kw)
-        self.w_up = nnx.Linear(d, f, use_bias=False, kernel_init=init, **kw)
-        self.w_down = nnx.Linear(f, d, use_bias=False, kernel_init=init, **kw)
+        mlp_cols, mlp_rows = part(init, (None, "mlp")), part(init, ("mlp", None))
+        self.w_gate = nnx.Linear(d, f, use_bias=False, kernel_init=mlp_cols, **kw)
+        self.w_up = nnx.Linear(d, f, use_bias=False, kernel_init=mlp_cols, **kw)
+        self.w_down = nnx.Linear(f, d, use_bias=False, kernel_init=mlp_rows, **kw)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         batch, seq, d = x.shape

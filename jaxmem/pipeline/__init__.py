@@ -5,8 +5,11 @@ from jaxmem.pipeline._executor import PipelineParams as PipelineParams
 from jaxmem.pipeline._executor import batch_spec as batch_spec
 from jaxmem.pipeline._executor import make_mesh as make_mesh
 from jaxmem.pipeline._placement import AXES as AXES
+from jaxmem.pipeline._placement import MESH_AXES as MESH_AXES
+from jaxmem.pipeline._placement import TENSOR as TENSOR
 from jaxmem.pipeline._placement import LeafPlacement as LeafPlacement
 from jaxmem.pipeline._placement import Placement as Placement
+from jaxmem.pipeline._placement import layout_axes as layout_axes
 from jaxmem.pipeline._placement import place_leaf as place_leaf
 from jaxmem.pipeline._placement import placement_of as placement_of
 from jaxmem.pipeline._residuals import ResidualPlan as ResidualPlan

@@ -27,7 +27,16 @@ from jax.sharding import PartitionSpec as P
 from jaxmem._errors import JaxmemError
 from jaxmem.models import RNG_SPEC, StagedModel, microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
-from jaxmem.pipeline._placement import AXES, LeafPlacement, Placement, _is_placement, placement_of
+from jaxmem.pipeline._placement import (
+    AXES,
+    MESH_AXES,
+    TENSOR,
+    LeafPlacement,
+    Placement,
+    _is_placement,
+    layout_axes,
+    placement_of,
+)
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
 from jaxmem.pipeline._split import ParamLayout, split_layers, stage_forward
 from jaxmem.pipeline._split import vocab_size as _vocab_size
@@ -40,39 +49,45 @@ __all__ = ["Pipeline", "PipelineParams", "batch_spec", "make_mesh", "varying_axe
 HOST = "pinned_host"
 
 
-def make_mesh(data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, fsdp: int = 1) -> Mesh:
-    """A ``("data", "fsdp", "pipe")`` mesh over the first ``data * fsdp * pipe`` devices.
+def make_mesh(data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, fsdp: int = 1, tensor: int = 1) -> Mesh:
+    """A ``("data", "fsdp", "pipe", "tensor")`` mesh over the first ``data * fsdp * pipe * tensor``
+    devices (``tensor`` innermost: neighbouring devices, the fastest links); ``("data", "fsdp",
+    "pipe")`` when ``tensor`` is 1, so that layouts without one compile the programs they always did.
 
     ``data`` replicas hold whole parameters; ``fsdp`` replicas hold a shard of each and gather it per
-    use (see :mod:`jaxmem.pipeline._placement`); both split the batch.
+    use (see :mod:`jaxmem.pipeline._placement`); both split the batch. ``tensor`` cuts the dimensions
+    the model's annotations name, and its devices compute every microbatch together.
 
     Raises:
         JaxmemError: when there are not enough devices, with the arithmetic.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe}
+    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, TENSOR: tensor}
     bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         raise JaxmemError(f"mesh axis sizes must be integers >= 1, got {bad}")
-    need = data * fsdp * pipe
+    need = data * fsdp * pipe * tensor
     if need > len(devices):
-        shape = " x ".join(f"{k}({v})" for k, v in sizes.items() if v > 1 or k != "fsdp")
+        shape = " x ".join(f"{k}({v})" for k, v in sizes.items() if v > 1 or k in ("data", "pipe"))
         raise JaxmemError(
             f"{shape} = {need} devices, but only {len(devices)} are available "
             f"({devices[0].platform}); on CPU, pass --devices {need} (virtual devices)"
         )
-    return Mesh(np.array(devices[:need]).reshape(data, fsdp, pipe), AXES)
+    if tensor == 1:
+        return Mesh(np.array(devices[:need]).reshape(data, fsdp, pipe), AXES)
+    return Mesh(np.array(devices[:need]).reshape(data, fsdp, pipe, tensor), MESH_AXES)
 
 
 def _normalize_mesh(mesh: Mesh) -> Mesh:
-    """A ``("data", "pipe")`` mesh (jaxmem before the fsdp axis) as a ``("data", "fsdp", "pipe")`` one."""
+    """A mesh of jaxmem's axes: ``("data", "fsdp", "pipe", "tensor")``, ``("data", "fsdp", "pipe")``
+    (no tensor axis) or the earlier ``("data", "pipe")``."""
     names = tuple(mesh.axis_names)
-    if names == AXES:
+    if names in (MESH_AXES, AXES):
         return mesh
     if names == ("data", "pipe"):
-        d, p = mesh.devices.shape
-        return Mesh(mesh.devices.reshape(d, 1, p), AXES)
-    raise JaxmemError(f"the mesh axes must be {AXES} (see jaxmem.pipeline.make_mesh), got {names}")
+        shape = dict(zip(names, mesh.devices.shape))
+        return Mesh(mesh.devices.reshape(shape["data"], 1, shape["pipe"]), AXES)
+    raise JaxmemError(f"the mesh axes must be {MESH_AXES} (see jaxmem.pipeline.make_mesh), got {names}")
 
 
 @jax.tree_util.register_dataclass
@@ -273,8 +288,14 @@ class Pipeline:
         return self.mesh.shape["pipe"]
 
     @property
+    def tensor(self) -> int:
+        """Devices computing each microbatch together, cutting the dimensions the model's
+        annotations name (the mesh's ``tensor`` axis)."""
+        return self.mesh.shape.get(TENSOR, 1)
+
+    @property
     def sizes(self) -> dict[str, int]:
-        return {a: self.mesh.shape[a] for a in AXES}
+        return {a: self.mesh.shape.get(a, 1) for a in MESH_AXES}
 
     def abstract_params(self) -> PipelineParams:
         if not hasattr(self, "_abstract"):
@@ -285,8 +306,15 @@ class Pipeline:
     def placement(self) -> Placement:
         """How every leaf of the parameters, the optimizer state and the gradients is cut over the mesh."""
         if not hasattr(self, "_placement"):
-            self._placement = placement_of(self.abstract_params(), self.sizes, zero=self.zero)
+            self._placement = placement_of(self.abstract_params(), self.sizes, zero=self.zero, axes=self.param_axes)
         return self._placement
+
+    @property
+    def param_axes(self) -> PipelineParams | None:
+        """The model's :class:`~jaxmem.models.ParamAxes` in the pipeline layout (None: the model
+        annotates none, or there is no ``tensor`` axis)."""
+        axes = layout_axes(self.model, self.virtual, self.vocab is not None) if self.tensor > 1 else None
+        return None if axes is None else PipelineParams(*axes)
 
     def _named(self, which: str, on_host) -> PipelineParams:
         placement = self.placement
@@ -518,6 +546,13 @@ class Pipeline:
                 grad if dim is None else jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim - dropped, tiled=True)
             )
 
+        # With a tensor axis, a stashed residual is flattened whole on each tensor device: a flat
+        # vector of a tensor-cut array has no tensor cut of its own, and resharding it inside a branch
+        # would put collective-permutes where only some ranks run.
+        pin = (lambda v: jax.lax.with_sharding_constraint(v, P())) if self.tensor > 1 else None
+        # XLA's CPU compiler aborts promoting a 16-bit all-reduce that the partitioner gave a copy at
+        # its reduction's root (jax 0.10.2, a tensor axis): there, the pipe sums run in float32.
+        widen_sums = self.tensor > 1 and self.mesh.devices.flat[0].platform == "cpu"
         vocab_split = self.vocab
         vocab_places = jax.tree.leaves(placement.vocab, is_leaf=_is_placement)
         vocab_ticks = jnp.asarray(tick.vocab_ticks.astype(np.int32))
@@ -623,7 +658,7 @@ class Pipeline:
                     params = device_params(c.local)
                     shared_in = shared_for(plan)
                     if kind is Kind.F:
-                        out, packed = plan.forward(params, shared_in, x_in, micro)
+                        out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin)
                         windows_out, lengths = [], []
                         for key, w in zip(keys, windows):
                             vec = packed.get(key)
@@ -649,7 +684,7 @@ class Pipeline:
                         for key, arena, off in zip(keys, arenas, offs)
                         if key in plan.stash_elems
                     }
-                    pullback = plan.pullback(params, shared_in, x_like, micro, current)
+                    pullback = plan.pullback(params, shared_in, x_like, micro, current, pin=pin)
                     if c.last and vocab_split is None:
                         # Typed like the outputs (a constant weight varies over no mesh axis).
                         loss_aval, weight_aval = plan.out_avals
@@ -681,6 +716,8 @@ class Pipeline:
 
             def total(x, op: str):
                 """``x`` reduced over the pipe ranks (``op``: ``max`` or ``sum``), varying again."""
+                if widen_sums and jnp.dtype(x.dtype).itemsize < 4:
+                    return total(x.astype(jnp.float32), op).astype(x.dtype)
                 return _vary(jax.lax.pmax(x, "pipe") if op == "max" else jax.lax.psum(x, "pipe"))
 
             def from_rank(rank: int, message):
@@ -831,11 +868,15 @@ class Pipeline:
             return loss_sum / weight, grads, shared_grads, vocab_grads
 
         def specs(tree, which):
-            return jax.tree.map(lambda p: p.spec(which), tree, is_leaf=_is_placement)
+            return jax.tree.map(lambda p: p.spec(which, manual=True), tree, is_leaf=_is_placement)
 
+        # Manual over data, fsdp and pipe; a tensor axis is left to XLA's partitioner, which runs
+        # each stage's math split the way the parameters' tensor cuts say. Without one (tensor=1) the
+        # mesh has only the three manual axes and the partitioner has nothing to do inside the body.
         sharded = jax.shard_map(
             body,
             mesh=self.mesh,
+            axis_names=frozenset(AXES),
             in_specs=(
                 specs(placement.stages, "params"),
                 specs(placement.shared, "params"),

@@ -1,7 +1,7 @@
 """Where the static state lives: parameters, the step's gradients and the optimizer state, per leaf
 and mesh axis.
 
-The mesh has three manual axes, ``("data", "fsdp", "pipe")``:
+The mesh has three manual axes, ``("data", "fsdp", "pipe")``, and one automatic one, ``tensor``:
 
 - ``pipe`` splits the layers (a stage's leaves lead with the rank axis, sharded over ``pipe``);
 - ``data`` and ``fsdp`` both split the batch (the step's replicas are ``data x fsdp``, numbered
@@ -12,7 +12,12 @@ The mesh has three manual axes, ``("data", "fsdp", "pipe")``:
 - with ``zero`` (the default) the optimizer state and the gradients the step returns are further
   cut over every axis along which the parameters are replicated -- ``data`` for stage leaves,
   ``data`` and ``pipe`` for the shared ones (ZeRO-1/2: the step reduce-scatters its gradients
-  instead of all-reducing them, the update runs on shards, the new parameters are all-gathered).
+  instead of all-reducing them, the update runs on shards, the new parameters are all-gathered);
+- ``tensor`` cuts the dimensions the model's own annotations name (``nnx.with_partitioning``, see
+  :func:`~jaxmem.models.from_nnx`): the executor's ``shard_map`` is manual over the three axes above
+  only, and XLA's partitioner runs each stage's math tensor-parallel from those cuts (Megatron's
+  column/row split when the annotations say so). The manual axes never share a dimension with
+  ``tensor`` (a manual block of a tensor-cut dimension would not be a tensor-cut block).
 
 A leaf's placement is a tuple with one entry per dimension: the mesh axes (major to minor) that cut
 it. Axes are placed greedily: on a dimension that already holds an axis of the same leaf when its
@@ -28,9 +33,11 @@ import math
 
 import numpy as np
 
-__all__ = ["AXES", "LeafPlacement", "Placement", "place_leaf", "placement_of"]
+__all__ = ["AXES", "MESH_AXES", "TENSOR", "LeafPlacement", "Placement", "layout_axes", "place_leaf", "placement_of"]
 
-AXES = ("data", "fsdp", "pipe")
+AXES = ("data", "fsdp", "pipe")  # manual inside the executor's shard_map
+TENSOR = "tensor"  # left to XLA's partitioner
+MESH_AXES = (*AXES, TENSOR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +57,19 @@ class LeafPlacement:
     state: tuple[tuple[str, ...], ...]
     reduce: tuple[str, ...]
 
-    def spec(self, which: str = "params"):
+    def spec(self, which: str = "params", *, manual: bool = False):
+        """The leaf's PartitionSpec (``manual``: without the ``tensor`` axis, as ``shard_map`` takes it)."""
         from jax.sharding import PartitionSpec
 
         axes = self.params if which == "params" else self.state
+        if manual:
+            axes = tuple(tuple(a for a in cut if a != TENSOR) for cut in axes)
         return PartitionSpec(*[(a[0] if len(a) == 1 else a) if a else None for a in axes])
+
+    @property
+    def tensor_dim(self) -> int | None:
+        """The dimension ``tensor`` cuts (None: whole over ``tensor``)."""
+        return next((d for d, axes in enumerate(self.params) if TENSOR in axes), None)
 
     @property
     def fsdp_dim(self) -> int | None:
@@ -76,7 +91,7 @@ class LeafPlacement:
 
     def local_shape(self, which: str, sizes: dict[str, int]) -> tuple[int, ...]:
         axes = self.params if which == "params" else self.state
-        return tuple(n // math.prod(sizes[a] for a in cut) for n, cut in zip(self.shape, axes))
+        return tuple(n // math.prod(sizes.get(a, 1) for a in cut) for n, cut in zip(self.shape, axes))
 
     def device_elems(self, which: str, sizes: dict[str, int]) -> int:
         return math.prod(self.local_shape(which, sizes))
@@ -88,7 +103,7 @@ def _place(shape, placed: list[list[str]], axis: str, size: int, dims, sizes: di
         return False
 
     def remaining(d):
-        return shape[d] // math.prod(sizes[a] for a in placed[d])
+        return shape[d] // math.prod(sizes.get(a, 1) for a in placed[d])
 
     fits = [d for d in dims if remaining(d) % size == 0 and remaining(d) >= size]
     if not fits:
@@ -100,7 +115,14 @@ def _place(shape, placed: list[list[str]], axis: str, size: int, dims, sizes: di
 
 
 def place_leaf(
-    shape: tuple[int, ...], sizes: dict[str, int], *, kind: str, zero: bool = True, fsdp_dims=None
+    shape: tuple[int, ...],
+    sizes: dict[str, int],
+    *,
+    kind: str,
+    zero: bool = True,
+    fsdp_dims=None,
+    tensor_dim: int | None = None,
+    tensor_unit: int = 1,
 ) -> LeafPlacement:
     """The placement of one leaf of the pipeline layout.
 
@@ -113,15 +135,24 @@ def place_leaf(
         zero: shard the optimizer state and the returned gradients over the replicas.
         fsdp_dims: dimensions ``fsdp`` may cut (default: a stage leaf's per-layer dimensions, any
             dimension of a shared leaf).
+        tensor_dim: the dimension the model's annotations cut over ``tensor`` (in ``shape``'s
+            numbering); kept whole when ``tensor`` times ``tensor_unit`` does not divide it.
+        tensor_unit: the cut's granularity (e.g. a head's width: no device holds part of a head).
 
     >>> p = place_leaf((4, 2, 64, 192), {"data": 2, "fsdp": 2, "pipe": 4}, kind="stage")
     >>> p.params, p.state
     ((('pipe',), (), (), ('fsdp',)), (('pipe',), (), (), ('fsdp', 'data')))
     >>> place_leaf((25,), {"data": 2, "fsdp": 1, "pipe": 4}, kind="shared").state
     ((),)
+    >>> place_leaf((2, 1, 64, 192), {"data": 2, "pipe": 2, "tensor": 2}, kind="stage", tensor_dim=3).state
+    (('pipe',), (), ('data',), ('tensor',))
+    >>> place_leaf((2, 1, 64, 32), {"pipe": 2, "tensor": 4}, kind="stage", tensor_dim=3, tensor_unit=16).params
+    (('pipe',), (), (), ())
     """
     ndim = len(shape)
     placed: list[list[str]] = [[] for _ in range(ndim)]
+    if tensor_dim is not None and shape[tensor_dim] % (sizes.get(TENSOR, 1) * tensor_unit) == 0:
+        _place(shape, placed, TENSOR, sizes.get(TENSOR, 1), (tensor_dim,), sizes)
     if kind == "stage":
         placed[0].append("pipe")
         per_layer = range(2, ndim)
@@ -133,14 +164,16 @@ def place_leaf(
     else:
         per_layer = range(ndim)
         reduce = ("data", "fsdp", "pipe")
-    dims = per_layer if fsdp_dims is None else fsdp_dims
+    cut = {d for d, axes in enumerate(placed) if TENSOR in axes}
+    dims = [d for d in (per_layer if fsdp_dims is None else fsdp_dims) if d not in cut]
     _place(shape, placed, "fsdp", sizes.get("fsdp", 1), dims, sizes)
     params = tuple(tuple(p) for p in placed)
     if zero:
         # Every axis the leaf is replicated over (its gradient is summed over it), fsdp first.
+        state_dims = [d for d in range(0 if kind == "shared" else 1, ndim) if d not in cut]
         for axis in reduce:
             if not any(axis in p for p in placed):
-                _place(shape, placed, axis, sizes.get(axis, 1), range(0 if kind == "shared" else 1, ndim), sizes)
+                _place(shape, placed, axis, sizes.get(axis, 1), state_dims, sizes)
     return LeafPlacement(tuple(shape), params, tuple(tuple(p) for p in placed), reduce)
 
 
@@ -171,18 +204,50 @@ class Placement:
         return float(total)
 
 
+def layout_axes(model, virtual: int, vocab: bool) -> tuple[tuple, object, dict] | None:
+    """The model's :class:`~jaxmem.models.ParamAxes` in the pipeline layout, as ``(stages, shared,
+    vocab)`` (a stage leaf gains the rank and layer dimensions; the split vocabulary tables are left
+    whole over ``tensor``); None when the model annotates nothing."""
+    if model.axes is None:
+        return None
+    import jax
+
+    from jaxmem._util import tree_without
+    from jaxmem.models import ParamAxes
+
+    layers, shared = model.split(model.axes)
+    per_layer = jax.tree.map(lambda a: ParamAxes((None, None, *a.axes), a.unit), layers[0])
+    tables = {}
+    if vocab:
+        for name, path in model.vocab.paths().items():
+            shared = tree_without(shared, path)
+            tables[name] = ParamAxes(())
+    return (per_layer,) * virtual, shared, tables
+
+
 def _is_placement(x) -> bool:
     return isinstance(x, LeafPlacement)
 
 
-def placement_of(abstract, sizes: dict[str, int], *, zero: bool = True) -> Placement:
-    """Placements of a PipelineParams of shaped values on a mesh of ``sizes``."""
+def placement_of(abstract, sizes: dict[str, int], *, zero: bool = True, axes=None) -> Placement:
+    """Placements of a PipelineParams of shaped values on a mesh of ``sizes``; ``axes``: a
+    PipelineParams of :class:`~jaxmem.models.ParamAxes` (the dimensions ``tensor`` cuts), or None."""
     import jax
 
+    def place(kind, tree, axes_tree):
+        if axes_tree is None:
+            return jax.tree.map(lambda a: place_leaf(tuple(a.shape), sizes, kind=kind, zero=zero), tree)
+        return jax.tree.map(
+            lambda a, ax: place_leaf(
+                tuple(a.shape), sizes, kind=kind, zero=zero, tensor_dim=ax.dim(TENSOR), tensor_unit=ax.unit
+            ),
+            tree,
+            axes_tree,
+        )
+
     stages = tuple(
-        jax.tree.map(lambda a: place_leaf(tuple(a.shape), sizes, kind="stage", zero=zero), tree)
-        for tree in abstract.stages
+        place("stage", tree, None if axes is None else axes.stages[v]) for v, tree in enumerate(abstract.stages)
     )
-    shared = jax.tree.map(lambda a: place_leaf(tuple(a.shape), sizes, kind="shared", zero=zero), abstract.shared)
-    vocab = jax.tree.map(lambda a: place_leaf(tuple(a.shape), sizes, kind="vocab", zero=zero), abstract.vocab)
+    shared = place("shared", abstract.shared, None if axes is None else axes.shared)
+    vocab = place("vocab", abstract.vocab, None if axes is None else axes.vocab)
     return Placement(stages, shared, dict(sizes), vocab)

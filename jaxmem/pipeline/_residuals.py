@@ -90,8 +90,9 @@ class ResidualPlan:
     def stashed_leaves(self) -> list[StashedLeaf]:
         return list(dict.fromkeys(src[1] for src in self.sources if src[0] == "stash"))
 
-    def forward(self, params, shared, x, batch):
-        """Run the stage: returns ``(out, packed)``, packed = {(dtype, space): flat vector}."""
+    def forward(self, params, shared, x, batch, pin: Callable | None = None):
+        """Run the stage: returns ``(out, packed)``, packed = {(dtype, space): flat vector}. ``pin``:
+        applied to each stashed residual before it is flattened (the executor's sharding constraint)."""
         flat = jax.tree.leaves(params) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         outs = jaxpr_as_fun(self.closed)(*flat)
         n_out = len(self.out_avals)
@@ -104,12 +105,13 @@ class ResidualPlan:
                 seen.add(leaf)
                 if leaf.space == "host" and leaf.memory_space != "host":
                     value = jax.device_put(value, jax.memory.Space.Host)
-                pieces[leaf.key].append(jnp.ravel(value))
+                pieces[leaf.key].append(jnp.ravel(value if pin is None else pin(value)))
         packed = {key: jnp.concatenate(parts) if len(parts) > 1 else parts[0] for key, parts in pieces.items()}
         return out, packed
 
-    def pullback(self, params, shared, x_like, batch, packed) -> Callable:
-        """Rebuild the stage's pullback from parameters, the batch and a stash slot."""
+    def pullback(self, params, shared, x_like, batch, packed, pin: Callable | None = None) -> Callable:
+        """Rebuild the stage's pullback from parameters, the batch and a stash slot (``pin``: applied to
+        each residual as it is read back, as in :meth:`forward`)."""
         param_leaves = jax.tree.leaves(params)
         shared_leaves = jax.tree.leaves(shared)
         batch_leaves = jax.tree.leaves(batch)
@@ -135,7 +137,7 @@ class ResidualPlan:
             else:
                 leaf = src[1]
                 value = jax.lax.slice_in_dim(packed[leaf.key], leaf.offset, leaf.offset + leaf.size)
-                value = value.reshape(leaf.shape)
+                value = value.reshape(leaf.shape) if pin is None else pin(value.reshape(leaf.shape))
                 if leaf.space == "host" and leaf.memory_space != "host":
                     value = jax.device_put(value, jax.memory.Space.Device)
                 residuals.append(value)

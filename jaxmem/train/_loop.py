@@ -258,7 +258,8 @@ def train(
             f"[bold]jaxmem train[/bold]: {trainer.model.name} ({trainer.model.param_count():,} params) on "
             f"{data}{tokenizer}, {trainer.schedule.name} P={config.stages} M={config.microbatches} "
             f"stages={trainer.schedule.num_stages} data={config.data_parallel}"
-            f"{f' fsdp={config.fsdp}' if config.fsdp > 1 else ''} on "
+            f"{f' fsdp={config.fsdp}' if config.fsdp > 1 else ''}"
+            f"{f' tensor={config.tensor}' if config.tensor > 1 else ''} on "
             f"{config.num_devices} {jax.devices()[0].platform} devices; compiling...",
             highlight=False,
         )
@@ -348,6 +349,7 @@ def train(
         "microbatches": config.microbatches,
         "data_parallel": config.data_parallel,
         "fsdp": config.fsdp,
+        "tensor": config.tensor,
         "zero": config.zero and config.replicas > 1,
         "vocab_split": trainer.pipeline.vocab is not None,
         "devices": config.num_devices,

@@ -91,7 +91,7 @@ class Trainer:
         self.config = config
         self.model = config.build_model()
         self.schedule = config.build_schedule()
-        self.mesh = make_mesh(config.data_parallel, config.stages, devices, fsdp=config.fsdp)
+        self.mesh = make_mesh(config.data_parallel, config.stages, devices, fsdp=config.fsdp, tensor=config.tensor)
         self.pipeline = Pipeline(
             self.model,
             self.schedule,

@@ -1,0 +1,190 @@
+"""The tensor axis: the model's own ``nnx.with_partitioning`` annotations cut its parameters over a
+``tensor`` mesh axis that the executor leaves to XLA's partitioner (``shard_map`` manual over data,
+fsdp and pipe only). Gradients against plain ``jax.grad``, the bytes each device holds, the ledger's
+prediction of them, and a checkpoint moved between tensor splits."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmem import JaxmemError
+from jaxmem.config import TrainConfig, parse_mesh
+from jaxmem.memory import compare, predict
+from jaxmem.models import ParamAxes, from_nnx, get_model, token_loss
+from jaxmem.pipeline import Pipeline, make_mesh
+from jaxmem.schedule import generate
+from jaxmem.train import Trainer
+from jaxmem.verify import verify
+
+LAYOUTS = [
+    # (schedule, P, M, data, fsdp, tensor, model, policy)
+    ("1f1b", 2, 4, 2, 1, 2, "llama-tiny", None),  # heads and MLP cut, x data x pipe
+    ("zbv", 2, 2, 1, 2, 2, "tiny", "selective"),  # GPT's MLP cut, x fsdp, split backwards
+    ("interleaved-1f1b", 2, 4, 1, 1, 4, "llama-tiny", "recompute-all"),  # 4-way tensor
+]
+
+
+@pytest.mark.parametrize(
+    "name,p,m,d,f,t,model,policy", LAYOUTS, ids=[f"{n}-P{p}-D{d}-F{f}-T{t}-{mo}" for n, p, m, d, f, t, mo, _ in LAYOUTS]
+)
+def test_tensor_layouts_give_plain_gradients(name, p, m, d, f, t, model, policy):
+    schedule = generate(name, p, m, 2 if name == "interleaved-1f1b" else None)
+    result = verify(schedule, model=model, data_parallel=d, fsdp=f, tensor=t, policy=policy)
+    assert result["ok"], result
+    assert result["tensor"] == t
+
+
+def test_bfloat16_with_a_tensor_axis():
+    """16-bit sums over pipe inside the vocabulary's conds (where XLA's CPU all-reduce promotion
+    aborts on what the partitioner emits) still match plain jax.grad."""
+    result = verify(generate("1f1b", 2, 4), model=get_model("llama-tiny", dtype="bfloat16", n_layers=4), tensor=2)
+    assert result["ok"], result
+
+
+class _Block(nnx.Module):
+    """A user's MLP block annotated with its own logical axis names."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.normal(0.1)
+        self.up = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("embed", "hidden")), rngs=rngs)
+        self.down = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("hidden", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.relu(self.up(x)))
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.blocks = nnx.List([_Block(rngs) for _ in range(4)])
+        self.head = nnx.Linear(16, 32, rngs=rngs)
+
+
+def _user_model(rules):
+    return from_nnx(
+        _Net,
+        layers="blocks",
+        embed=lambda m, batch: m.embed(batch["tokens"]),
+        head_loss=lambda m, x, batch: token_loss(m.head(x), batch),
+        tags=(),
+        vocab_size=32,
+        axis_rules=rules,
+        name="user-mlp",
+    )
+
+
+def test_a_user_models_annotations_are_honoured_through_its_axis_rules():
+    model = _user_model({"hidden": "tensor", "embed": None})
+    layer = model.split(model.axes)[0][0]
+    assert layer["up"]["kernel"] == ParamAxes((None, "tensor")) and layer["down"]["kernel"] == ParamAxes(
+        ("tensor", None)
+    )
+    pipe = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2, tensor=2))
+    assert [p.tensor_dim for p in jax.tree.leaves(pipe.placement.stages, is_leaf=lambda x: hasattr(x, "shape"))] == [
+        None,
+        2,
+        None,
+        3,
+    ]  # down.bias, down.kernel (rows), up.bias, up.kernel (columns): stage leaves lead with rank and layer
+    result = verify(generate("1f1b", 2, 2), model=model, tensor=2, data_parallel=2)
+    assert result["ok"], result
+    # Without rules for its names nothing is cut (and the pipeline still runs).
+    plain = _user_model(None)
+    assert Pipeline(plain, generate("1f1b", 2, 2), make_mesh(1, 2, tensor=2)).placement.leaves()[1].tensor_dim is None
+
+
+def test_heads_are_never_split_between_devices():
+    """llama-tiny has 4 query heads and 2 key/value heads of 16 columns: on 4 tensor ranks each
+    holds one query head and the key/value projections stay whole (half a head per device would need
+    the devices to trade halves inside the stage's branch)."""
+    pipe = Pipeline(get_model("llama-tiny"), generate("1f1b", 2, 2), make_mesh(1, 2, tensor=4))
+    layer = pipe.placement.stages[0]
+    assert layer["wq"]["kernel"].tensor_dim == 3 and layer["wo"]["kernel"].tensor_dim == 2
+    assert layer["wk"]["kernel"].tensor_dim is None and layer["wv"]["kernel"].tensor_dim is None
+    assert layer["w_up"]["kernel"].tensor_dim == 3  # 176 hidden units, 44 per rank
+    two = Pipeline(get_model("llama-tiny"), generate("1f1b", 2, 2), make_mesh(1, 2, tensor=2))
+    assert two.placement.stages[0]["wk"]["kernel"].tensor_dim == 3
+
+
+def test_bad_annotations_and_meshes_are_refused_clearly():
+    class Bad(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.normal(0.1), ("tensor",))
+            self.embed = nnx.Embed(32, 16, rngs=rngs)
+            self.blocks = nnx.List([nnx.Linear(16, 16, kernel_init=init, rngs=rngs) for _ in range(2)])
+
+    with pytest.raises(JaxmemError, match="annotated with 1 axis names"):
+        from_nnx(Bad, layers="blocks", embed=lambda m, b: m.embed(b["tokens"]), head_loss=None, tags=())
+    with pytest.raises(JaxmemError, match="tensor"):
+        parse_mesh("data=2,tensr=2")
+    assert parse_mesh("pipe=2,tensor=2") == {"data": 1, "fsdp": 1, "pipe": 2, "tensor": 2}
+    with pytest.raises(JaxmemError, match=r"tensor\(4\) = 32 devices"):
+        make_mesh(2, 4, tensor=4)
+
+
+@pytest.fixture(scope="module")
+def tensor_trainers():
+    base = dict(model="llama-tiny", stages=2, microbatches=4, batch_size=16, seq_len=32, steps=2, data="synthetic")
+    return Trainer(TrainConfig(**base, data_parallel=2)), Trainer(TrainConfig(**base, data_parallel=2, tensor=2))
+
+
+def _device_bytes(tree) -> int:
+    device = jax.devices()[0]
+    return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
+
+
+def test_the_tensor_axis_cuts_the_layers_state_and_the_ledger_predicts_it(tensor_trainers):
+    plain, cut = tensor_trainers
+    plain_state, cut_state = plain.init_state(), cut.init_state()
+    # Every annotated kernel of the layers is halved on each device; norms and the shared leaves stay.
+    annotated = sum(
+        np.dtype(a.dtype).itemsize * a.size
+        for a, ax in zip(
+            jax.tree.leaves(plain_state.params.stages),
+            jax.tree.leaves(cut.pipeline.param_axes.stages, is_leaf=lambda x: isinstance(x, ParamAxes)),
+        )
+        if ax.dim("tensor") is not None
+    ) // (2 * 2)  # global bytes of the cut leaves -> one pipe rank's, halved by tensor
+    assert _device_bytes(cut_state.params.stages) == _device_bytes(plain_state.params.stages) - annotated
+    assert _device_bytes(cut_state.params.shared) == _device_bytes(plain_state.params.shared)
+    config = cut.config
+    predicted = predict(
+        cut.model, cut.schedule, None, batch=config.batch_size, seq=config.seq_len, data_parallel=2, tensor=2
+    )
+    report = compare(predicted, cut.measure_memory())
+    assert report["max_prediction_error"] <= 0.10, report
+    row = report["ranks"][0]["categories"]
+    for name in ("params", "grads", "optimizer_state"):
+        assert row[name]["predicted_device"] == pytest.approx(row[name]["program_device"], abs=16), (name, row[name])
+    # Training on the tensor split follows the plain run's losses.
+    losses = []
+    for trainer, state in ((plain, plain_state), (cut, cut_state)):
+        run = []
+        for _ in range(2):
+            state, metrics, _ = trainer.step(state)
+            run.append(float(metrics["loss"]))
+        losses.append(run)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+def test_a_checkpoint_moves_between_tensor_splits(tensor_trainers, tmp_path):
+    from jaxmem.train import Checkpointer
+
+    _, cut = tensor_trainers
+    state, _, _ = cut.step(cut.init_state())
+    exported, meta = cut.export_state(state)
+    assert _device_bytes(exported) <= _device_bytes((state.params, state.opt_state))
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    ckpt.save(state.step, exported, meta)
+    ckpt.close()
+    reference = [np.asarray(x) for x in jax.tree.leaves(cut.pipeline.to_model_params(state.params))]
+    base = dict(cut.config.__dict__)
+    for plan in (dict(tensor=1, data_parallel=4), dict(tensor=4, data_parallel=1)):
+        trainer = Trainer(TrainConfig(**{**base, **plan}))
+        restored = Checkpointer(tmp_path / "ckpt").restore(trainer.restore_target())
+        resumed = trainer.import_state(restored.state, restored.meta)
+        for a, b in zip(jax.tree.leaves(trainer.pipeline.to_model_params(resumed.params)), reference):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        resumed, metrics, _ = trainer.step(resumed)
+        assert np.isfinite(float(metrics["loss"]))
