@@ -30,6 +30,7 @@ _INTEGER_FIELDS = {
     "restore_step": 0,
     "devices": 1,
     "vocab_size": 1,
+    "seed": 0,
 }
 _OPTIONAL_FIELDS = ("devices", "vocab_size", "restore_step")
 
@@ -170,6 +171,8 @@ class TrainConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise JaxmemError(f"--{field.replace('_', '-')} must be an integer >= {minimum}, got {value!r}")
+        if self.seed >= 2**63:
+            raise JaxmemError(f"--seed must be below 2**63 (jax.random.key takes a 64-bit integer), got {self.seed}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise JaxmemError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.lr_schedule not in ("constant", "cosine"):

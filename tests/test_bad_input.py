@@ -40,6 +40,11 @@ CASES = [
     (["train", "--fsdp", "0"], "--fsdp must be an integer >= 1, got 0"),
     (["verify", "--mesh", "data=2,data=2"], "--mesh names data twice"),
     (["memory", "--mesh", "fsdp=2", "--fsdp", "2"], "--mesh sets fsdp; drop --fsdp (or --mesh)"),
+    (["train", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["train", "--seed", "99999999999999999999999"], "--seed must be below 2**63"),
+    (["train", "--dtype", "float64"], "float64 needs JAX's 64-bit mode"),
+    (["train", "--tensor", "0"], "--tensor must be an integer >= 1, got 0"),
+    (["verify", "--mesh", "pipe=2,tensr=2"], "tensr"),
 ]
 
 
@@ -54,6 +59,29 @@ def test_bad_input_is_a_short_error(capsys, argv, message):
     assert code == 2, err
     assert message in err and "Traceback" not in err
     assert len(lines) <= 2, err
+
+
+def test_output_paths_that_cannot_be_written_are_refused_before_the_work(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        (["memory", "--compile", "no", "-o", str(tmp_path / "no" / "such" / "l.png")], "does not exist; create it"),
+        (["memory", "--compile", "no", "-o", str(afile / "x.png")], "is a file, not a folder"),
+        (["memory", "--compile", "no", "-o", str(tmp_path / "adir.png")], None),  # writable: runs
+        (["schedule", "draw", "1f1b", "-o", str(tmp_path / "missing" / "s.png")], "does not exist; create it"),
+        (["schedule", "export", "1f1b", "-o", str(tmp_path)], "is a directory"),
+        (["export", "ckpt", "-o", str(afile)], "is a file; give a folder"),
+        (["export", "ckpt", "-o", str(afile / "sub")], "which is a file"),
+        (["launch", "--nprocs", "2", "--run-dir", str(afile), "--", "--steps", "1"], "is a file; give a folder"),
+    ]
+    for argv, message in cases:
+        code = main(argv)
+        err = capsys.readouterr().err
+        if message is None:
+            assert code == 0 and (tmp_path / "adir.png").exists(), err
+            continue
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+        assert len([line for line in err.splitlines() if line.strip() and "Warning" not in line]) <= 2, err
 
 
 def test_an_unwritable_checkpoint_or_run_directory_is_named(tmp_path, capsys):

@@ -111,6 +111,31 @@ def test_a_second_writer_is_refused_until_the_first_closes(tmp_path):
     second.close()
 
 
+def test_a_read_only_checkpoint_folder_is_a_clear_error(tmp_path, monkeypatch):
+    """The lock file cannot be created (a read-only mount; chmod does not stop root, so open is made
+    to fail as it does there): a CheckpointError naming the folder, the saved steps untouched."""
+    import errno
+
+    import jax.numpy as jnp
+
+    from jaxmem.train import _checkpoint
+
+    first = Checkpointer(tmp_path / "ckpt", every=1)
+    first.save(1, {"w": jnp.ones((4,))}, {})
+    first.close()
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(_checkpoint, "open", read_only, raising=False)
+    with pytest.raises(CheckpointError, match="cannot write in the checkpoint folder .*Read-only file system"):
+        Checkpointer(tmp_path / "ckpt")
+    monkeypatch.undo()
+    again = Checkpointer(tmp_path / "ckpt")
+    assert again.steps() == [1]
+    again.close()
+
+
 def _damage(step_dir):
     """Flip bytes in the middle of the largest array data file of a step."""
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
@@ -183,6 +208,10 @@ def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path):
     ckpt.close()
     with pytest.raises(JaxmemError, match="trained with --seed 0, this run has --seed 5"):
         Trainer(dataclasses.replace(config, seed=5)).import_state(restored.state, restored.meta)
+    # A sample number names a window of --seq-len + 1 tokens: another length would repeat and skip text.
+    shorter = config.seq_len // 2
+    with pytest.raises(JaxmemError, match=f"trained with --seq-len {config.seq_len}, this run has --seq-len {shorter}"):
+        Trainer(dataclasses.replace(config, seq_len=shorter)).import_state(restored.state, restored.meta)
 
 
 def test_an_unfinished_save_never_becomes_latest(tmp_path):
@@ -576,6 +605,18 @@ def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_
     assert not _alive(str(run_dir))  # no worker left behind
     saved = Checkpointer(run_dir / "checkpoints").latest_step()
     assert saved is not None and saved >= reached  # the interrupted step was saved, not the last periodic one
+    # Rerun in the same run dir once the old heartbeats are past the limit, as the README advises: the
+    # new workers are not judged by the stopped attempt's heartbeat files, and the job resumes.
+    past = time.time() - 3600
+    for old_beat in run_dir.glob("heartbeat-*"):
+        os.utime(old_beat, (past, past))
+    proc = subprocess.run(
+        [*cmd, "--", *args[:-1], str(saved + 2), "--checkpoint-every", "1000"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "planning recovery" not in proc.stderr and "attempt 2" not in proc.stderr, proc.stderr[-2000:]
+    assert Checkpointer(run_dir / "checkpoints").latest_step() == saved + 2
     # A worker that stops on a jaxmem error (here: a step that does not exist) ends the job with that
     # error: no re-plan onto fewer workers, no hardware blame.
     proc = subprocess.run(
@@ -642,3 +683,65 @@ def test_train_joins_a_slurm_job_by_its_environment(tmp_path, monkeypatch):
     alone = Trainer(TrainConfig(stages=2, **SMALL))
     _, reference = _run(alone, alone.init_state(), 3)
     np.testing.assert_allclose(records[0]["losses"], reference, rtol=1e-5)
+
+
+def test_the_workers_keep_every_argument_the_user_passed(tmp_path):
+    """A value-less switch (``--json``, ``--quiet``) is dropped alone, not with the token after it,
+    and a folder given as ``--flag=value`` is not given twice."""
+    from pathlib import Path
+
+    from jaxmem.config import parse_train_args
+    from jaxmem.elastic._launcher import _worker_args
+
+    run = Path(tmp_path)
+    args = _worker_args(["--json", "--steps", "12", "--quiet", "--no-zero", "--checkpoint-dir=ck"], run)
+    assert args.count("--json") == 1 and args.count("--quiet") == 1 and "--no-zero" in args
+    assert args[args.index("--steps") + 1] == "12" and not any(a == "--checkpoint-dir" for a in args)
+    config = parse_train_args(args)
+    assert config.steps == 12 and config.checkpoint_dir == "ck" and not config.zero
+    assert config.sample_log == str(run / "samples.log")
+    assert parse_train_args(_worker_args(["--steps", "3", "--json"], run)).checkpoint_dir == str(run / "checkpoints")
+
+
+def test_the_coordinator_listens_on_the_jobs_address_only(tmp_path):
+    """Process 0's coordination service (unauthenticated gRPC) binds the job's loopback address,
+    not every interface: read from /proc/net after a one-process job has started."""
+    script = tmp_path / "bind.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, socket
+            s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+            os.environ.update(JAXMEM_COORDINATOR=f"127.0.0.1:{port}", JAXMEM_NUM_PROCESSES="1", JAXMEM_PROCESS_ID="0")
+            from jaxmem.cli._common import maybe_initialize_distributed
+            maybe_initialize_distributed()
+            for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+                for line in open(name).read().splitlines()[1:]:
+                    fields = line.split()
+                    addr, p = fields[1].rsplit(":", 1)
+                    if int(p, 16) == port and fields[3] == "0A":  # LISTEN
+                        print(addr)
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    listening = out.stdout.split()
+    assert listening, out.stderr[-2000:]
+    # 127.0.0.1 as an IPv4 or IPv4-mapped IPv6 address; never 0.0.0.0 or ::.
+    assert all(a.endswith("0100007F") for a in listening), listening
+
+
+def test_a_second_launch_into_a_live_run_dir_touches_nothing(tmp_path):
+    """Refused by the run dir's lock before it opens a log or heartbeat file of the live job."""
+    from jaxmem.elastic import launch
+    from jaxmem.elastic._launcher import _hold_run_dir
+
+    live = _hold_run_dir(tmp_path)  # the live launcher
+    (tmp_path / "worker-0-0.log").write_text("the live worker's log")
+    try:
+        with pytest.raises(JaxmemError, match=f"run dir of a live jaxmem launch \\(pid {os.getpid()}"):
+            launch(["--steps", "1"], nprocs=1, run_dir=str(tmp_path))
+        assert (tmp_path / "worker-0-0.log").read_text() == "the live worker's log"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".jaxmem-launch.lock", "worker-0-0.log"]
+    finally:
+        live.close()

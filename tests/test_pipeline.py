@@ -111,6 +111,11 @@ def test_training_lowers_the_loss(small_trainer):
 def test_stages_that_do_not_divide_the_layers():
     with pytest.raises(JaxmemError, match=r"8 layers do not split evenly over 3 stages; .*1, 2, 4, 8"):
         Trainer(TrainConfig(stages=3, microbatches=3, batch_size=6))
+    # The example split sums to the model's layers, and the Python caller is told its own argument.
+    with pytest.raises(JaxmemError, match=r"layer_counts=\(3,3,2\) in Python, --layers-per-stage 3,3,2 on the CLI"):
+        Trainer(TrainConfig(stages=3, microbatches=3, batch_size=6))
+    with pytest.raises(JaxmemError, match=r"build the schedule with 2 ranks \(--stages 2 on the CLI\)"):
+        Pipeline(get_model("tiny"), generate("1f1b", 4, 4), make_mesh(1, 2))
 
 
 def test_devices_that_do_not_factor():

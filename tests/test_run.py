@@ -320,6 +320,21 @@ def test_export_loads_back_identical_parameters_and_samples(straight, tmp_path):
     assert text == load_model(config.checkpoint_dir).generate("The for", max_new_tokens=8, seed=3)
     with pytest.raises(JaxmemError, match="already holds an export"):
         export_checkpoint(config.checkpoint_dir, out)
+    # The export names the saved state, not the exporting machine's paths ...
+    with open(os.path.join(out, "config.json")) as f:
+        text = f.read()
+    assert str(tmp_path) not in text and os.path.abspath(config.checkpoint_dir) not in text
+    assert written["checkpoint"]["step"] == 6 and len(written["checkpoint"]["manifest_sha256"]) == 64
+    again = export_checkpoint(config.checkpoint_dir, str(tmp_path / "again"))
+    assert again["checkpoint"] == written["checkpoint"]
+    # ... and reads no tokenizer from outside its directory.
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    edited = {**json.loads(text), "tokenizer": "../secret.json"}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(edited, f)
+    with pytest.raises(JaxmemError, match="not a file name inside the export"):
+        load_exported(out)
 
 
 def test_a_non_finite_loss_stops_the_run_at_its_step_and_saves_nothing_of_it(tmp_path):

@@ -38,6 +38,38 @@ positive_float = _number(float, 0.0, True, "a number > 0")
 non_negative_float = _number(float, 0.0, False, "a finite number >= 0")
 
 
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written: its folder missing or a
+    file, the path itself a folder, or the folder not writable."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise JaxmemError(f"{flag} {path} is a directory; give a file name inside it")
+    if not os.path.isdir(parent):
+        found = _nearest_existing(parent)
+        if not os.path.isdir(found):
+            raise JaxmemError(f"{flag} {path}: {found} is a file, not a folder; choose another path")
+        raise JaxmemError(f"{flag} {path}: the folder {parent} does not exist; create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK):
+        raise JaxmemError(f"{flag} {path}: the folder {parent} is not writable; choose another path")
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """Refuse, before any work, an output folder that could not be created or written."""
+    found = _nearest_existing(path)
+    if not os.path.isdir(found):
+        what = "is a file" if found == os.path.abspath(path) else f"is under {found}, which is a file"
+        raise JaxmemError(f"{flag} {path} {what}; give a folder")
+    if not os.access(found, os.W_OK):
+        raise JaxmemError(f"{flag} {path}: {found} is not writable; choose another folder")
+
+
 def add_mesh_arguments(p) -> None:
     """``--data-parallel``, ``--fsdp``, ``--tensor``, ``--mesh``, ``--no-zero`` and ``--no-vocab-split`` (with
     ``--stages``, which the command adds itself): the mesh of a command that builds one step, as
@@ -136,8 +168,11 @@ def maybe_initialize_distributed() -> None:
     import jax
 
     if os.environ.get("JAXMEM_COORDINATOR"):
+        # The coordination service (process 0) listens on the job's own address only (loopback for
+        # `jaxmem launch`), not on every interface: it is an unauthenticated gRPC service.
         jax.distributed.initialize(
             coordinator_address=os.environ["JAXMEM_COORDINATOR"],
+            coordinator_bind_address=os.environ["JAXMEM_COORDINATOR"],
             num_processes=int(os.environ["JAXMEM_NUM_PROCESSES"]),
             process_id=int(os.environ["JAXMEM_PROCESS_ID"]),
             heartbeat_timeout_seconds=int(os.environ.get("JAXMEM_HEARTBEAT_SECONDS", "100")),

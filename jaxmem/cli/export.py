@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import non_negative_float, non_negative_int, positive_int, print_json, setup_devices
+from jaxmem.cli._common import (
+    check_output_dir,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    print_json,
+    setup_devices,
+)
 
 _EXPORT_EPILOG = """\
 Writes OUT/model.safetensors (every parameter in the model's own layout and dtype, named by its path,
@@ -62,6 +69,7 @@ def add_parser(sub) -> None:
 
 
 def run_export(args) -> int:
+    check_output_dir(args.out, "-o")
     setup_devices(1)
     from jaxmem.train import export_checkpoint
 

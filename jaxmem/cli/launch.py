@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import non_negative_int, positive_float, positive_int, print_json
+from jaxmem.cli._common import check_output_dir, non_negative_int, positive_float, positive_int, print_json
 
 _EPILOG = """\
 examples:
@@ -66,6 +66,8 @@ def run(args) -> int:
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     failures = [parse_failure(f) for f in args.inject_failure]
+    if args.run_dir:
+        check_output_dir(args.run_dir, "--run-dir")
     try:
         result = launch(
             train_args,

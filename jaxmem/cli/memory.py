@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from jaxmem._util import parse_bytes
-from jaxmem.cli._common import add_mesh_arguments, positive_int, print_json, resolve_mesh, setup_devices
+from jaxmem.cli._common import (
+    add_mesh_arguments,
+    check_output_file,
+    positive_int,
+    print_json,
+    resolve_mesh,
+    setup_devices,
+)
 
 _EPILOG = """\
 examples:
@@ -309,6 +316,8 @@ def run(args) -> int:
 
     if args.output and not args.output.lower().endswith((".png", ".svg", ".pdf")):
         raise JaxmemError(f"cannot draw to {args.output!r}: use a .png, .svg or .pdf file name")
+    if args.output:
+        check_output_file(args.output, "-o")
     budget = parse_bytes(args.budget, "--budget") if args.budget else None
     resolve_mesh(args)
     config = _config(args)

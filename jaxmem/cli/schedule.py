@@ -8,7 +8,7 @@ import sys
 
 from jaxmem import schedule as sch
 from jaxmem._util import parse_bytes
-from jaxmem.cli._common import non_negative_float, positive_int
+from jaxmem.cli._common import check_output_file, non_negative_float, positive_int
 
 _EPILOG = """\
 examples:
@@ -209,6 +209,7 @@ def _check(args) -> int:
 
 
 def _draw(args) -> int:
+    check_output_file(args.output, "-o")
     s = _schedule_from_args(args)
     path = sch.draw(s, args.output, _costs_from_args(args))
     print(f"wrote {path}")
@@ -216,6 +217,7 @@ def _draw(args) -> int:
 
 
 def _export(args) -> int:
+    check_output_file(args.output, "-o")
     s = _schedule_from_args(args)
     path = sch.save_csv(s, args.output)
     print(f"wrote {path} ({s.num_ranks} ranks x {s.num_steps} steps)")

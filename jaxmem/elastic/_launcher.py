@@ -101,6 +101,39 @@ def _with_flag(args: list, flag: str, value) -> list:
     return out + ([flag, str(value)] if value is not None else [])
 
 
+def _hold_run_dir(run: Path):
+    """An exclusive lock on a launch's run dir while the returned file is open; a second launch into
+    a live run dir is refused here, before it opens any of the live workers' files."""
+    import fcntl
+
+    f = open(run / ".jaxmem-launch.lock", "a+")  # noqa: SIM115 -- held for the launch's life
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read(200).strip() or "another process"
+        f.close()
+        raise JaxmemError(
+            f"{run} is the run dir of a live jaxmem launch ({holder}); stop it first, or pass another --run-dir"
+        ) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f
+
+
+def _worker_args(train_args, run: Path) -> list:
+    """The workers' ``jaxmem train`` arguments: the user's, with the run's checkpoint folder and
+    sample log unless given, and ``--json --quiet`` once (the user's own switches dropped, alone:
+    they take no value)."""
+    args = [a for a in train_args if a not in ("--json", "--quiet")]
+    if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in args):
+        args = _with_flag(args, "--checkpoint-dir", run / "checkpoints")
+    if not any(a == "--sample-log" or a.startswith("--sample-log=") for a in args):
+        args = _with_flag(args, "--sample-log", run / "samples.log")
+    return args + ["--json", "--quiet"]
+
+
 def read_heartbeat(path: Path) -> tuple[int | None, float | None]:
     """(step reached, the worker's median step seconds so far) from a heartbeat file."""
     try:
@@ -168,12 +201,8 @@ def launch(
         raise JaxmemError(f"--nprocs {nprocs} is more than this machine can start ({limit} at most here)")
     run = Path(run_dir or f"runs/launch-{int(time.time())}").absolute()
     run.mkdir(parents=True, exist_ok=True)
-    args = list(train_args)
-    if "--checkpoint-dir" not in args:
-        args = _with_flag(args, "--checkpoint-dir", run / "checkpoints")
-    if "--sample-log" not in args:
-        args = _with_flag(args, "--sample-log", run / "samples.log")
-    args = _with_flag(args, "--json", None) + ["--json", "--quiet"]
+    held = _hold_run_dir(run)  # before any log or heartbeat file is touched
+    args = _worker_args(train_args, run)
     attempts: list[Attempt] = []
     deadline = None if timeout is None else time.time() + timeout
     current_nprocs = nprocs
@@ -217,6 +246,8 @@ def launch(
                         if f.rank == rank:
                             env[FAIL_AT_ENV] = str(f.step)
                 heartbeats.append(Path(env[HEARTBEAT_ENV]))
+                # A rerun in the same run dir: an earlier launch's heartbeat file is not this worker's.
+                heartbeats[-1].unlink(missing_ok=True)
                 out = open(run / f"worker-{attempt_index}-{rank}.log", "w")
                 procs.append(
                     subprocess.Popen(
@@ -344,6 +375,7 @@ def launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        held.close()
 
 
 def _flag_value(args: list, flag: str):

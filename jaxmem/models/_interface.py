@@ -61,6 +61,11 @@ def dtype_name(value, where: str) -> str:
         raise JaxmemError(f"{where}: unknown dtype {value!r}; use float32 or bfloat16") from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise JaxmemError(f"{where}: {value!r} is not a floating dtype; use float32 or bfloat16")
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise JaxmemError(
+            f"{where}: {dtype.name} needs JAX's 64-bit mode, which is off (JAX would compute in float32 "
+            "and say so only in warnings); set JAX_ENABLE_X64=1 for the run, or use float32"
+        )
     return dtype.name
 
 

@@ -71,7 +71,8 @@ def make_mesh(data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, 
         shape = " x ".join(f"{k}({v})" for k, v in sizes.items() if v > 1 or k in ("data", "pipe"))
         raise JaxmemError(
             f"{shape} = {need} devices, but only {len(devices)} are available "
-            f"({devices[0].platform}); on CPU, pass --devices {need} (virtual devices)"
+            f"({devices[0].platform}); on CPU, start with more virtual devices: --devices {need} on the CLI, or "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX is imported"
         )
     if tensor == 1:
         return Mesh(np.array(devices[:need]).reshape(data, fsdp, pipe), AXES)
@@ -228,7 +229,8 @@ class Pipeline:
         if mesh.shape["pipe"] != schedule.num_ranks:
             raise JaxmemError(
                 f"the schedule has {schedule.num_ranks} ranks but the mesh's pipe axis has "
-                f"{mesh.shape['pipe']} devices; use --stages {mesh.shape['pipe']} or a matching mesh"
+                f"{mesh.shape['pipe']} devices; build the schedule with {mesh.shape['pipe']} ranks (--stages "
+                f"{mesh.shape['pipe']} on the CLI) or a mesh whose pipe axis has {schedule.num_ranks}"
             )
         per_rank = {len(schedule.stages_of(r)) for r in range(schedule.num_ranks)}
         if len(per_rank) != 1:

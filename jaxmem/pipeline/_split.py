@@ -50,10 +50,12 @@ def split_layers(n_layers: int, n_stages: int, layer_counts: Sequence[int] | Non
         return counts
     if n_layers % n_stages:
         ok = ", ".join(str(d) for d in _divisors(n_layers))
+        base, extra = divmod(n_layers, n_stages)
+        example = ",".join(str(base + (i < extra)) for i in range(n_stages))
         raise JaxmemError(
             f"{n_layers} layers do not split evenly over {n_stages} stages; stage counts that divide "
-            f"{n_layers}: {ok} (stages = pipeline ranks x virtual stages per rank), or pass explicit "
-            "layers per stage (--layers-per-stage 3,3,2)"
+            f"{n_layers}: {ok} (stages = pipeline ranks x virtual stages per rank), or give the layers of each "
+            f"stage (layer_counts=({example}) in Python, --layers-per-stage {example} on the CLI)"
         )
     return (n_layers // n_stages,) * n_stages
 

@@ -63,7 +63,13 @@ class CheckpointMismatch(CheckpointError):
 def _lock(directory: Path):
     """Hold an exclusive lock on ``directory`` while the returned file is open (closing it, or this
     process dying, releases it); refuse when another open file holds it."""
-    f = open(directory / LOCK, "a+")  # noqa: SIM115 -- held open for the run's life
+    try:
+        f = open(directory / LOCK, "a+")  # noqa: SIM115 -- held open for the run's life
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write in the checkpoint folder {directory} ({e.strerror or e}); pass a writable "
+            "--checkpoint-dir (its steps there are untouched)"
+        ) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

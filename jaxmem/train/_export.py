@@ -3,6 +3,7 @@ safetensors (plus ``config.json`` and the tokenizer), loaded back into the model
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -109,6 +110,13 @@ def _checkpoint_model(directory: str, step: int | None, model=None):
     return restored, description, model, unflatten_params(flat, model.abstract_params()), flat
 
 
+def _manifest_digest(manifest) -> str | None:
+    """SHA-256 of a step's checksum manifest (None for a step saved without one)."""
+    if not manifest:
+        return None
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = None, model=None, force=False):
     """Write the parameters of a checkpoint step (default: the latest) to ``out_dir``.
 
@@ -144,7 +152,9 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = N
         "model": description,
         "step": restored.step,
         "tokenizer": "byte" if tokenizer == "byte" else TOKENIZER,
-        "checkpoint": os.path.abspath(checkpoint_dir),
+        # Which state this is, without the exporting machine's paths: the step, and a digest of the
+        # per-array checksums saved with it (equal digests: the same saved arrays).
+        "checkpoint": {"step": restored.step, "manifest_sha256": _manifest_digest(meta.get("manifest"))},
         "param_count": int(sum(a.size for a in flat.values())),
     }
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
@@ -195,6 +205,11 @@ def load_exported(directory: str, *, model=None) -> Exported:
     flat = _import_safetensors().load_file(os.path.join(directory, WEIGHTS))
     params = unflatten_params(flat, model.abstract_params())
     spec = config.get("tokenizer", "byte")
+    if spec != "byte" and (not isinstance(spec, str) or os.path.basename(spec) != spec or spec in ("", ".", "..")):
+        raise JaxmemError(
+            f"{path}: tokenizer {spec!r} is not a file name inside the export; an export names its own "
+            f"tokenizer file (e.g. {TOKENIZER!r}) or 'byte'"
+        )
     tokenizer = get_tokenizer("byte" if spec == "byte" else os.path.join(directory, spec))
     return Exported(model, params, tokenizer, config)
 

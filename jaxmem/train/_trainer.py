@@ -286,6 +286,14 @@ class Trainer:
                 f"--seed {self.config.seed}: the data order would change mid-run. Resume with --seed "
                 f"{meta['seed']}, or start a new --checkpoint-dir"
             )
+        saved_seq = meta.get("plan", {}).get("seq_len")
+        if saved_seq is not None and saved_seq != self.config.seq_len:
+            raise JaxmemError(
+                f"the checkpoint at step {meta['step']} was trained with --seq-len {saved_seq}, this run has "
+                f"--seq-len {self.config.seq_len}: a sample number names a window of that many tokens, so "
+                f"resuming would repeat some text and skip other. Resume with --seq-len {saved_seq}, or "
+                "start a new --checkpoint-dir (export the weights first with jaxmem export)"
+            )
         params, opt_state = state["params"], state["opt_state"]
         from jaxmem.data import ORDER
 
