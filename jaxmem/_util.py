@@ -108,3 +108,26 @@ def tree_with(tree, path: tuple, value) -> dict:
     out = dict(tree)
     out[path[0]] = value if len(path) == 1 else tree_with(tree.get(path[0], {}), path[1:], value)
     return out
+
+
+def hold_lock(path, busy):
+    """Hold an exclusive ``flock`` on the file ``path`` while the returned file is open (closing it,
+    or this process dying, releases it), with this process's pid and host written in it. When
+    another open file holds it: raise ``busy(holder)`` (the holder's pid and host as written).
+    ``OSError`` when the file cannot be opened."""
+    import fcntl
+    import os
+    import socket
+
+    f = open(path, "a+")  # noqa: SIM115 -- held open by the caller
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read(200).strip() or "another process"
+        f.close()
+        raise busy(holder) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f

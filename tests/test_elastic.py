@@ -118,7 +118,7 @@ def test_a_read_only_checkpoint_folder_is_a_clear_error(tmp_path, monkeypatch):
 
     import jax.numpy as jnp
 
-    from jaxmem.train import _checkpoint
+    import jaxmem._util
 
     first = Checkpointer(tmp_path / "ckpt", every=1)
     first.save(1, {"w": jnp.ones((4,))}, {})
@@ -127,7 +127,7 @@ def test_a_read_only_checkpoint_folder_is_a_clear_error(tmp_path, monkeypatch):
     def read_only(path, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(_checkpoint, "open", read_only, raising=False)
+    monkeypatch.setattr(jaxmem._util, "open", read_only, raising=False)  # where the lock file is opened
     with pytest.raises(CheckpointError, match="cannot write in the checkpoint folder .*Read-only file system"):
         Checkpointer(tmp_path / "ckpt")
     monkeypatch.undo()

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from jaxmem._errors import JaxmemError
-from jaxmem._util import with_host_devices
+from jaxmem._util import hold_lock, with_host_devices
 
 __all__ = ["Failure", "LaunchInterrupted", "LaunchResult", "launch", "parse_failure"]
 
@@ -104,22 +104,13 @@ def _with_flag(args: list, flag: str, value) -> list:
 def _hold_run_dir(run: Path):
     """An exclusive lock on a launch's run dir while the returned file is open; a second launch into
     a live run dir is refused here, before it opens any of the live workers' files."""
-    import fcntl
 
-    f = open(run / ".jaxmem-launch.lock", "a+")  # noqa: SIM115 -- held for the launch's life
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read(200).strip() or "another process"
-        f.close()
-        raise JaxmemError(
+    def busy(holder):
+        return JaxmemError(
             f"{run} is the run dir of a live jaxmem launch ({holder}); stop it first, or pass another --run-dir"
-        ) from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    f.flush()
-    return f
+        )
+
+    return hold_lock(run / ".jaxmem-launch.lock", busy)
 
 
 def _worker_args(train_args, run: Path) -> list:

@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import sys
 import typing
 import zlib
@@ -45,6 +43,7 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError, first_line
+from jaxmem._util import hold_lock
 
 __all__ = ["CheckpointError", "Checkpointer", "SameArrays", "StateReader", "array_checksums", "read_params"]
 
@@ -63,27 +62,20 @@ class CheckpointMismatch(CheckpointError):
 def _lock(directory: Path):
     """Hold an exclusive lock on ``directory`` while the returned file is open (closing it, or this
     process dying, releases it); refuse when another open file holds it."""
+
+    def busy(holder):
+        return CheckpointError(
+            f"{directory} is in use by another jaxmem run ({holder}); two writers would corrupt it. Stop that "
+            "run, wait for it to finish, or pass another --checkpoint-dir"
+        )
+
     try:
-        f = open(directory / LOCK, "a+")  # noqa: SIM115 -- held open for the run's life
+        return hold_lock(directory / LOCK, busy)
     except OSError as e:
         raise CheckpointError(
             f"cannot write in the checkpoint folder {directory} ({e.strerror or e}); pass a writable "
             "--checkpoint-dir (its steps there are untouched)"
         ) from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read(200).strip() or "another process"
-        f.close()
-        raise CheckpointError(
-            f"{directory} is in use by another jaxmem run ({holder}); two writers would corrupt it. Stop that "
-            "run, wait for it to finish, or pass another --checkpoint-dir"
-        ) from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    f.flush()
-    return f
 
 
 def _host_value(x) -> np.ndarray:
