@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._errors import JaxmemError
 from jaxmem.models import StagedModel, get_model, make_batch, microbatch_key
 from jaxmem.pipeline import Pipeline, make_mesh
 from jaxmem.schedule import Schedule, validate
@@ -175,15 +174,9 @@ def verify(
     if model is None or isinstance(model, str):
         model = verification_model(schedule.num_stages, model or "tiny")
     model = get_model(model)
-    devices = data_parallel * fsdp * schedule.num_ranks * tensor
-    if devices > jax.device_count():
-        raise JaxmemError(
-            f"verifying needs data({data_parallel}) x fsdp({fsdp}) x pipe({schedule.num_ranks}) x tensor({tensor}) "
-            f"= {devices} devices, {jax.device_count()} available; on CPU pass --devices {devices}"
-        )
+    mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp, tensor=tensor)  # refuses too few devices
     model.check_batch(seq_len)
     drop_layers = frozenset(drop_layers)
-    mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp, tensor=tensor)
     pipe = Pipeline(
         model, schedule, mesh, policy=policy, drop_layers=drop_layers, zero=zero, vocab_parallel=vocab_parallel
     )

@@ -183,7 +183,7 @@ class ModelFacts:
             abstract = PipelineParams(stages=(stage,), shared=shared, vocab=tables)
             sizes = {"data": data, "fsdp": fsdp, "pipe": ranks, "tensor": tensor}
             axes = layout_axes(self.model, 1, vocab) if tensor > 1 else None
-            placement = placement_of(abstract, sizes, zero=zero, axes=None if axes is None else PipelineParams(*axes))
+            placement = placement_of(abstract, sizes, zero=zero, axes=axes)
 
             def per_device(tree, places, which, sizes=sizes):
                 return float(

@@ -315,8 +315,7 @@ class Pipeline:
     def param_axes(self) -> PipelineParams | None:
         """The model's :class:`~jaxmem.models.ParamAxes` in the pipeline layout (None: the model
         annotates none, or there is no ``tensor`` axis)."""
-        axes = layout_axes(self.model, self.virtual, self.vocab is not None) if self.tensor > 1 else None
-        return None if axes is None else PipelineParams(*axes)
+        return layout_axes(self.model, self.virtual, self.vocab is not None) if self.tensor > 1 else None
 
     def _named(self, which: str, on_host) -> PipelineParams:
         placement = self.placement

@@ -204,16 +204,17 @@ class Placement:
         return float(total)
 
 
-def layout_axes(model, virtual: int, vocab: bool) -> tuple[tuple, object, dict] | None:
-    """The model's :class:`~jaxmem.models.ParamAxes` in the pipeline layout, as ``(stages, shared,
-    vocab)`` (a stage leaf gains the rank and layer dimensions; the split vocabulary tables are left
-    whole over ``tensor``); None when the model annotates nothing."""
+def layout_axes(model, virtual: int, vocab: bool):
+    """The model's :class:`~jaxmem.models.ParamAxes` in the pipeline layout, as a
+    :class:`~jaxmem.pipeline.PipelineParams` (a stage leaf gains the rank and layer dimensions; the
+    split vocabulary tables are left whole over ``tensor``); None when the model annotates nothing."""
     if model.axes is None:
         return None
     import jax
 
     from jaxmem._util import tree_without
     from jaxmem.models import ParamAxes
+    from jaxmem.pipeline._executor import PipelineParams
 
     layers, shared = model.split(model.axes)
     per_layer = jax.tree.map(lambda a: ParamAxes((None, None, *a.axes), a.unit), layers[0])
@@ -222,7 +223,7 @@ def layout_axes(model, virtual: int, vocab: bool) -> tuple[tuple, object, dict] 
         for name, path in model.vocab.paths().items():
             shared = tree_without(shared, path)
             tables[name] = ParamAxes(())
-    return (per_layer,) * virtual, shared, tables
+    return PipelineParams(stages=(per_layer,) * virtual, shared=shared, vocab=tables)
 
 
 def _is_placement(x) -> bool:
