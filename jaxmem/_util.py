@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import signal
 import tomllib
 
 from jaxmem._errors import JaxmemError
 
 __all__ = [
+    "LAUNCHER_ENV",
+    "die_with_launcher",
     "human_bytes",
     "load_toml",
     "parse_bytes",
@@ -131,3 +136,23 @@ def hold_lock(path, busy):
     f.write(f"pid {os.getpid()} on {socket.gethostname()}")
     f.flush()
     return f
+
+
+LAUNCHER_ENV = "JAXMEM_LAUNCHER_PID"
+
+
+def die_with_launcher(environ=None) -> None:
+    """In a worker ``jaxmem launch`` started: get SIGTERM when the launcher dies (Linux prctl
+    PR_SET_PDEATHSIG), and stop now if it already has (the worker's parent is no longer the launcher).
+    Nothing outside a launch. Here, not in :mod:`jaxmem.elastic`, because a worker calls it before
+    its CLI sets the device count, which must come before anything imports JAX."""
+    environ = os.environ if environ is None else environ
+    launcher = environ.get(LAUNCHER_ENV)
+    if not launcher:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the launcher's own signal handlers stop its workers
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -229,6 +229,22 @@ class TrainConfig:
             raise JaxmemError("--plan auto needs --budget (device memory per device, e.g. 12MiB or 24GiB)")
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
+            if 0 in self.layers_per_stage:
+                raise JaxmemError(
+                    f"--layers-per-stage {','.join(map(str, self.layers_per_stage))} leaves a stage without "
+                    "layers (its rank would only pass messages on); give every stage at least one layer, or use "
+                    "fewer stages"
+                )
+        if self.hardware != "auto":
+            from jaxmem.memory import HARDWARE
+
+            if str(self.hardware).strip().lower() not in HARDWARE:
+                raise JaxmemError(f"unknown --hardware {self.hardware!r}; profiles: {', '.join(HARDWARE)} (or auto)")
+        if self.data_field != "text" and self.data in ("synthetic", "text"):
+            raise JaxmemError(
+                f"--data-field {self.data_field!r} names a column of JSONL, Parquet or Hugging Face data; "
+                f"--data {self.data} has no columns. Drop --data-field"
+            )
 
     @property
     def vocab_parallel(self) -> bool | None:
@@ -359,7 +375,11 @@ def add_arguments(p) -> None:
     g.add_argument("--policy", help="memory policy: a preset name or a TOML file (see `jaxmem memory`)")
     g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
     g.add_argument("--budget", help="device memory per device for --plan auto, e.g. 12MiB, 24GiB")
-    g.add_argument("--hardware", help="planner hardware profile (default: measured here on CPU)")
+    g.add_argument(
+        "--hardware",
+        help="profile of --plan auto, --adaptive and the MFU in --run-dir metrics: h100, tpu-v5p or cpu "
+        "(default: measured here on CPU)",
+    )
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", help="save here and resume from the latest complete checkpoint")
     g.add_argument("--checkpoint-every", type=int, help="save every N steps (default 10)")
@@ -476,14 +496,28 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 # What --plan auto chooses (jaxmem.train's plan step); setting one of them as well is refused.
-_PLANNED = ("schedule", "schedule_csv", "stages", "data_parallel", "fsdp", "microbatches", "virtual", "policy")
+_PLANNED = (
+    "schedule",
+    "schedule_csv",
+    "stages",
+    "data_parallel",
+    "fsdp",
+    "tensor",
+    "microbatches",
+    "virtual",
+    "policy",
+)
 
 
 def parse_train_args(argv) -> TrainConfig:
     """A TrainConfig from ``jaxmem train``'s command-line arguments (e.g. a launched job's)."""
     import argparse
 
-    parser = argparse.ArgumentParser(add_help=False)
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one line, not jaxmem train's whole usage
+            raise JaxmemError(f"the jaxmem train arguments: {message} (see jaxmem train --help)")
+
+    parser = Parser(add_help=False)
     add_arguments(parser)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quiet", action="store_true")

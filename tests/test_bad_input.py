@@ -31,6 +31,7 @@ CASES = [
     (["train", "--plan", "auto", "--budget", "1GiB", "--schedule", "zbv"], "--plan auto chooses --schedule"),
     (["train", "--plan", "auto", "--budget", "1GiB", "--stages", "2"], "--plan auto chooses --stages"),
     (["train", "--budget", "1GiB"], "drop --budget"),
+    (["train", "--plan", "auto", "--budget", "1KiB", "--steps", "1"], "at least 1.67 MiB per device however"),
     (["train", "--seq-len-schedule", "8,16"], "add --adaptive"),
     (["train", "--adaptive", "--budget", "1GiB", "--run-dir", "x"], "drop --run-dir or --adaptive"),
     (["roam", "analyze", "--loss-chunks", "5", "--seq-len", "32"], "pick --loss-chunks dividing --seq-len"),
@@ -45,6 +46,19 @@ CASES = [
     (["train", "--dtype", "float64"], "float64 needs JAX's 64-bit mode"),
     (["train", "--tensor", "0"], "--tensor must be an integer >= 1, got 0"),
     (["verify", "--mesh", "pipe=2,tensr=2"], "tensr"),
+    (["train", "--layers-per-stage", "0,0,0,8"], "leaves a stage without layers"),
+    (["train", "--hardware", "nosuch"], "unknown --hardware 'nosuch'; profiles: h100, tpu-v5p, cpu"),
+    (["train", "--data-field", "nosuchfield"], "--data text has no columns. Drop --data-field"),
+    (["schedule", "simulate", "1f1b", "--cost-f", "0", "--cost-i", "0", "--cost-w", "0"], "are all 0"),
+    (["schedule", "simulate", "1f1b", "--stages", "100000", "--microbatches", "100000"], "use fewer stages"),
+    (["plan", "--mesh", "pipe=2,tensor=2", "--devices", "8", "--budget", "1GiB"], "--mesh takes 4 devices"),
+    (["plan", "--budget", "1GiB"], "say how many devices to plan for: --devices N, or a mesh with --mesh"),
+    (["sample", "no-such-export", "--tokens", "1000000"], "--tokens 1,000,000 is more than 100,000"),
+    (["elastic"], "jaxmem elastic needs an action; see jaxmem elastic --help"),
+    (
+        ["launch", "--nprocs", "2", "--", "--nosuchflag"],
+        "the jaxmem train arguments: unrecognized arguments: --nosuchflag",
+    ),
 ]
 
 
@@ -93,3 +107,20 @@ def test_an_unwritable_checkpoint_or_run_directory_is_named(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err
         assert f"pass a writable {flag}" in err and str(blocker / "sub") in err
+
+
+def test_data_that_cannot_be_read_as_asked_is_refused(tmp_path, capsys):
+    garbage = tmp_path / "bad.parquet"
+    garbage.write_bytes(b"not parquet")
+    text = tmp_path / "a.txt"
+    text.write_text("hello world")
+    for argv, message in (
+        (["train", "--data", str(garbage), "--steps", "1"], "not a readable Parquet file"),
+        (["train", "--data", str(text), "--data-field", "body", "--steps", "1"], "is plain text files"),
+        # A vocabulary the text cannot fill: the run could not resume or share under that name.
+        (["train", "--data", str(text), "--tokenizer", "bpe:5000", "--steps", "1"], "use --tokenizer bpe:"),
+        (["train", "--data", str(text), "--tokenizer", "bpe:99999999", "--steps", "1"], "pick e.g. bpe:32000"),
+    ):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)

@@ -1,6 +1,7 @@
 """`jaxmem train` and `jaxmem verify` from the command line (in-process; conftest gave 8 devices)."""
 
 import json
+import os
 
 import pytest
 
@@ -75,3 +76,38 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
     err = capsys.readouterr().err
     assert code == 0
     assert "step 2/4  loss" in err and "step 4/4  loss" in err and "step 3/4" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--devices", "2", "--stages", "2", "--steps", "1"],
+        ["verify", "--devices", "2", "--stages", "2"],
+        ["memory", "--stages", "2", "--compile", "no"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_the_device_count_is_set_before_anything_imports_jax(argv):
+    """`--devices N` (and the mesh's own count) only takes effect while JAX is not yet imported: a
+    command that imported it first (as `train` did through the launcher's worker hook) runs on one CPU
+    device whatever the user asked for. Checked in a fresh process without XLA_FLAGS, at the moment
+    each command sets the count."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import jaxmem.cli.{argv[0]} as command
+
+def check(count):
+    print("jax imported" if "jax" in sys.modules else f"ok {{count}}")
+    raise SystemExit(0)
+
+command.setup_devices = check
+from jaxmem.cli import main
+main({argv!r})
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["ok", "2"], proc.stdout

@@ -275,6 +275,22 @@ def _plan(config, **overrides):
     return choose_recovery(config, **(kwargs | overrides))
 
 
+def test_recovery_planning_with_a_measured_step_compiles_nothing(monkeypatch):
+    """The measured pre-failure step sets the model's scale, so planning a recovery on CPU does not
+    first time a compiled step to calibrate the profile (minutes on a loaded machine)."""
+    from jaxmem.memory import _cost
+
+    def no_compiling():
+        raise AssertionError("recovery planning calibrated the CPU profile by compiling a step")
+
+    monkeypatch.setattr(_cost, "_CALIBRATED", {})
+    monkeypatch.setattr(_cost, "calibrate_cpu", no_compiling)
+    config = TrainConfig(stages=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
+    plan = _plan(config, cores=2)
+    unchanged = next(c for c in plan.candidates if c.name == "restart-on-spares")
+    assert unchanged.step_seconds == pytest.approx(0.5)  # the measured step, exactly
+
+
 def test_recovery_planner_scores_every_strategy():
     config = TrainConfig(stages=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
     plan = _plan(config)
@@ -471,9 +487,14 @@ def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "os.fork() was called" not in proc.stderr  # no JAX at-fork warning when workers start
     result = json.loads(proc.stdout)
     assert len(result["attempts"]) == 2 and result["attempts"][0]["failed_rank"] == 1
     assert result["attempts"][0]["strategy"]["name"] == "re-partition"
+    # The time to recover is reported: from the failure's detection to the new attempt's first step.
+    (recovered,) = result["recovery_seconds"]
+    assert 0 < recovered < time.time() - start
+    assert f"recovery 1: {recovered:.1f} s from the failure to the first new step" in proc.stderr
     summary = result["summary"]
     assert summary["steps"] == 10 and summary["resumed_from"] is not None
     # Every sample consumed exactly once, every step once.
@@ -503,13 +524,15 @@ def _alive(pattern: str) -> list[str]:
 
 
 def test_workers_die_with_their_launcher_however_it_dies(tmp_path):
-    """The parent-death signal: a SIGKILLed parent's worker gets SIGTERM at once."""
+    """The parent-death signal, which the worker asks for itself (the launcher forks without a
+    preexec_fn, so JAX's at-fork warning never fires): a SIGKILLed parent's worker gets SIGTERM at
+    once, and a worker whose launcher is already gone stops at its start."""
     marker = f"jaxmem-orphan-{os.getpid()}-{time.time_ns()}"
+    worker = "from jaxmem.elastic import die_with_launcher; die_with_launcher(); import time; time.sleep(60)"
     parent = textwrap.dedent(f"""
-        import subprocess, sys, time
-        from jaxmem.elastic._launcher import _die_with_parent
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "{marker}"],
-                         preexec_fn=_die_with_parent, start_new_session=True)
+        import os, subprocess, sys, time
+        env = dict(os.environ, JAXMEM_LAUNCHER_PID=str(os.getpid()))
+        subprocess.Popen([sys.executable, "-c", {worker!r}, "{marker}"], env=env, start_new_session=True)
         time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", parent])
@@ -523,6 +546,9 @@ def test_workers_die_with_their_launcher_however_it_dies(tmp_path):
     while _alive(marker) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(marker)
+    # Started by a launcher that has died since (its parent is someone else): stops at once.
+    orphan = subprocess.run([sys.executable, "-c", worker], env=dict(os.environ, JAXMEM_LAUNCHER_PID="1"), timeout=60)
+    assert orphan.returncode == -signal.SIGTERM
 
 
 def test_the_hung_worker_is_blamed_not_the_peer_that_noticed():
@@ -605,6 +631,12 @@ def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_
     assert not _alive(str(run_dir))  # no worker left behind
     saved = Checkpointer(run_dir / "checkpoints").latest_step()
     assert saved is not None and saved >= reached  # the interrupted step was saved, not the last periodic one
+    # #27 item 5: each process wrote its own shards (here its pipeline stage's) into its own Orbax
+    # files; no process gathered and wrote the whole state.
+    state_dir = run_dir / "checkpoints" / str(saved) / "state"
+    written = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in state_dir.glob("ocdbt.*")}
+    assert set(written) == {"ocdbt.process_0", "ocdbt.process_1"}, written
+    assert all(0.3 < b / sum(written.values()) < 0.7 for b in written.values()), written
     # Rerun in the same run dir once the old heartbeats are past the limit, as the README advises: the
     # new workers are not judged by the stopped attempt's heartbeat files, and the job resumes.
     past = time.time() - 3600
@@ -617,6 +649,11 @@ def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "planning recovery" not in proc.stderr and "attempt 2" not in proc.stderr, proc.stderr[-2000:]
     assert Checkpointer(run_dir / "checkpoints").latest_step() == saved + 2
+    # Every step once and every sample once across the stop and the rerun.
+    lines = [line.split() for line in (run_dir / "samples.log").read_text().splitlines() if line.strip()]
+    assert [int(x[0]) for x in lines] == list(range(1, saved + 3))
+    ids = [int(i) for x in lines for i in x[1:]]
+    assert len(ids) == len(set(ids)) == 4 * (saved + 2)
     # A worker that stops on a jaxmem error (here: a step that does not exist) ends the job with that
     # error: no re-plan onto fewer workers, no hardware blame.
     proc = subprocess.run(
@@ -745,3 +782,47 @@ def test_a_second_launch_into_a_live_run_dir_touches_nothing(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == [".jaxmem-launch.lock", "worker-0-0.log"]
     finally:
         live.close()
+
+
+def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
+    """A run on fsdp and tensor axes recovers onto meshes that keep its tensor cut, count every axis
+    against the surviving devices, and carry each layout's predicted bytes; a layout over --budget is
+    scored but not run; the next attempt gets the whole mesh in one --mesh."""
+    from jaxmem.config import parse_train_args
+    from jaxmem.elastic import RecoveryError
+    from jaxmem.elastic._launcher import _recovered_args
+
+    config = TrainConfig(
+        model="llama-tiny", stages=2, fsdp=2, tensor=2, microbatches=2, batch_size=8, seq_len=32, steps=100
+    )
+    plan = _plan(config, spares=1)
+    by_name = {c.name: c for c in plan.candidates}
+    assert {"restart-on-spares", "shrink-fsdp", "re-partition"} <= set(by_name)
+    assert "reroute" not in by_name and "shrink-data-parallel" not in by_name  # D=1, and T, F cut each stage
+    for c in plan.candidates:
+        assert c.tensor == 2 and c.device_bytes > 0
+        assert c.stages * c.data_parallel * c.fsdp * c.tensor <= (8 if c.name == "restart-on-spares" else 6)
+    whole, fewer = by_name["restart-on-spares"], by_name["shrink-fsdp"]
+    assert (fewer.fsdp, fewer.stages, fewer.nprocs) == (1, 2, 2)
+    assert fewer.device_bytes > whole.device_bytes  # each device holds more of the parameters
+    assert fewer.mesh == "data=1,fsdp=1,pipe=2,tensor=2" and "F=2 T=2" in " ".join(plan.explain())
+    budget = (whole.device_bytes + fewer.device_bytes) / 2
+    tight = _plan(config, spares=1, budget=budget)
+    shrunk = next(c for c in tight.candidates if c.name == "shrink-fsdp")
+    assert not shrunk.runnable and "over the budget" in shrunk.note and tight.choice.name == "restart-on-spares"
+    with pytest.raises(RecoveryError, match="every layout left is predicted over the budget"):
+        _plan(config, spares=0, budget=budget)
+
+    # Replicas lost with a process: device i is in replica i // (P T), its fsdp group goes with it.
+    config = TrainConfig(stages=2, data_parallel=2, fsdp=2, microbatches=2, batch_size=16, seq_len=32, steps=100)
+    one = {c.name: c for c in _plan(config, spares=0).candidates}  # process 1: devices 2, 3 -> group 0
+    assert one["shrink-data-parallel"].data_parallel == 1 and one["shrink-data-parallel"].fsdp == 2
+    both = {c.name for c in _plan(config, spares=0, failed=[1, 2]).candidates}  # groups 0 and 1
+    assert "shrink-data-parallel" not in both
+
+    args = ["--model", "llama-tiny", "--mesh", "fsdp=2,pipe=2,tensor=2", "--devices", "8", "--steps", "9"]
+    again = parse_train_args(_recovered_args(args, fewer))
+    assert (again.data_parallel, again.fsdp, again.stages, again.tensor, again.steps) == (1, 1, 2, 2, 9)
+    args = ["--stages", "2", "--fsdp", "2", "--tensor", "2", "--model", "llama-tiny"]
+    again = parse_train_args(_recovered_args(args, by_name["re-partition"]))
+    assert (again.stages, again.fsdp, again.tensor, tuple(again.layers_per_stage)) == (1, 2, 2, (8,))

@@ -362,3 +362,55 @@ def test_the_ledger_traces_a_dropout_model():
 
     e = estimate(drop_lm(), generate("1f1b", 2, 4), "save-all", batch=8, seq=8)
     assert e.device_bytes > 0 and e.step_seconds > 0
+
+
+def test_a_batch_key_the_model_reads_but_the_batch_lacks_is_named():
+    from jaxmem import JaxmemError
+    from jaxmem.pipeline import Pipeline, make_mesh
+
+    model = from_nnx(
+        lambda rngs: TinyLM(rngs, "hidden"),
+        layers="trunk.stack",
+        embed=lambda m, batch: m.tok(batch["tokens"]) * batch["mask"][..., None],
+        head_loss=lambda m, x, batch: token_loss(m.out(x * m.trunk["scale"]), batch),
+        tags=("hidden",),
+        name="masked-lm",
+        vocab_size=32,
+    )
+    pipe = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2))
+    with pytest.raises(
+        JaxmemError, match=r"reads batch\['mask'\], which the batch does not have; it has \['targets', 'tokens'\]"
+    ):
+        pipe.residual_plans(4, 8)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_through_the_python_api():
+    from jaxmem import JaxmemError
+    from jaxmem.pipeline import Pipeline, make_mesh
+
+    model = tiny_lm()
+    pipe = Pipeline(model, generate("1f1b", 2, 2), make_mesh(1, 2))
+    params = pipe.place(pipe.from_model_params(model.init(0)))
+    tokens = jax.random.randint(jax.random.key(0), (4, 8), 0, 32)
+    bad = make_batch(tokens.at[1, 3].set(32), tokens)
+    with pytest.raises(JaxmemError, match=r"token id 32, outside model tiny-lm's vocabulary \[0, 32\)"):
+        pipe.value_and_grad(params, bad)
+
+
+def test_selective_on_a_model_without_a_quadratic_group_says_it_saves_everything(capsys):
+    from jaxmem.config import TrainConfig
+    from jaxmem.train import train
+
+    config = TrainConfig(
+        model=tiny_lm(),
+        data="synthetic",
+        stages=2,
+        microbatches=2,
+        batch_size=4,
+        seq_len=8,
+        steps=1,
+        policy="selective",
+    )
+    train(config, progress=True)
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert "declares no 'quadratic' tag group, so selective recompute keeps every tag" in err

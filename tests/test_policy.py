@@ -256,3 +256,24 @@ def test_the_gpt_declares_every_tag_it_emits_and_selective_recomputes_its_quadra
     assert GPT_TAGS.names == TAGS + HEAD_TAGS and GPT_TAGS.group("quadratic") == {"attn_probs"}
     pipe = Pipeline("tiny", generate("1f1b", 2, 2), make_mesh(1, 2), policy=Policy())
     pipe.residual_plans(4, 16)  # checks the emitted tags against the declared ones
+
+
+def test_a_table_without_a_base_builds_on_the_one_around_it():
+    """A nested table overrides what it says and keeps the rest of the enclosing policy (before, it
+    started again from save-all: the README's own [microbatch.warmup] example lost selective)."""
+    spec = {
+        "base": "selective",
+        "attn_probs": "offload",
+        "stage": {"1": {"mlp_hidden": "offload", "microbatch": {"warmup": {"mlp_hidden": "save"}}}},
+        "microbatch": {"warmup": {"mlp_hidden": "offload"}},
+    }
+    policy = from_spec(spec)
+    top = StagePolicy(base="selective", tags={"attn_probs": "offload"})
+    assert policy.default == top
+    assert dict(policy.stages)[1] == top.with_decisions({"mlp_hidden": "offload"})
+    assert dict(policy.microbatch)["warmup"] == top.with_decisions({"mlp_hidden": "offload"})
+    ((stage, cls, nested),) = policy.stage_microbatch
+    assert (stage, cls, nested) == (1, "warmup", top.with_decisions({"mlp_hidden": "save"}))
+    # Its own base starts again from that preset.
+    again = from_spec({"base": "selective", "stage": {"0": {"base": "recompute-all"}}})
+    assert dict(again.stages)[0] == StagePolicy(base="recompute-all")

@@ -224,7 +224,9 @@ def test_the_planner_against_a_time_limited_ilp_past_the_exact_search():
     assert record["ilp_lower_bound_bytes"] <= record["planned_peak_bytes"] <= record["program_order_peak_bytes"]
     if record["ilp_peak_bytes"] is not None:  # the planner, in milliseconds, is no worse than 10 s of ILP here
         assert record["planned_arena_bytes"] <= record["ilp_peak_bytes"]
-    assert record["planner_seconds"] < 2
+    # Timed in this process beside the ILP (both slow down alike when the cores are shared): the
+    # planner takes at most a tenth of the ILP's time.
+    assert record["planner_seconds"] * 10 <= record["ilp_seconds"]
 
 
 def test_roam_analyze_cli_json(capsys):

@@ -456,3 +456,32 @@ def test_low_free_space_is_warned_about_before_a_save(tmp_path, monkeypatch):
     ckpt.close()
     assert len(lines) == 1 and "1.5 MiB free" in lines[0] and "about 1.0 MiB" in lines[0], lines
     assert ckpt.steps() == [1, 2]  # a warning, not a refusal
+
+
+def test_a_diverged_loss_is_not_checkpointed_and_saves_resume_when_it_comes_back(tmp_path):
+    """#34 item 8: a finite but diverged loss (4.7e12 after ~5) falls due for a save: the guard keeps
+    that state out of the checkpoints, says so once, saves again once the loss is back, and at the end
+    leaves the last good step to resume from."""
+    from jaxmem.train import CheckpointHook, StepInfo
+
+    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16))
+    state = trainer.init_state()
+    lines = []
+    hook = CheckpointHook(str(tmp_path / "ckpt"), every=5, keep=10, log=lines.append)
+    state = hook.on_start(trainer, state)
+
+    def step(k, loss):
+        hook.on_step(trainer, dataclasses.replace(state, step=k), StepInfo(k, loss, None, 0.1, (), {}))
+
+    for k in range(1, 23):
+        step(k, 5.0 - 0.01 * k)
+    for k in range(23, 27):  # diverged: step 25 falls due
+        step(k, 4.7e12)
+    for k in range(27, 31):
+        step(k, 4.7)
+    step(31, 4.7e12)
+    hook.on_end(trainer, dataclasses.replace(state, step=31))
+    assert hook.checkpointer.steps() == [5, 10, 15, 20, 30] and hook.skipped == [25, 31]
+    said = "\n".join(lines)
+    assert said.count("is not checkpointed") == 2 and "the last saved step, 20, stays" in said
+    assert "saving again" in said and "step 31 is not saved; resume from step 30" in said

@@ -312,6 +312,17 @@ def test_draw_is_about_two_to_one_with_a_legend_and_one_scale(tmp_path, microbat
     assert "box label: microbatch" in plain and "pale" not in plain and "B backward" in plain
 
 
+def test_draw_labels_every_box_of_a_chronos_schedule(tmp_path):
+    """ChronosPipe's half-length boxes are too narrow for a label across: they carry it upright."""
+    import re
+
+    schedule = generate("chronos", 4, 8)
+    svg = draw(schedule, tmp_path / "c.svg").read_text()
+    labels = re.findall(r">(\d+:\d+)</text>", svg)
+    expected = [f"{a.stage}:{a.microbatch}" for r in range(4) for a in schedule.actions(r)]
+    assert sorted(labels) == sorted(expected)
+
+
 def test_draw_in_bytes_when_the_costs_carry_them(tmp_path):
     svg = draw(generate("1f1b", 4, 8), tmp_path / "b.svg", Costs(activation_bytes=3 * 2**20)).read_text()
     assert "live activations (MiB" in svg and "peak live [12, 9, 6, 3] MiB" in svg

@@ -13,7 +13,7 @@ from jaxmem.config import TrainConfig, parse_mesh
 from jaxmem.memory import compare, predict
 from jaxmem.models import ParamAxes, from_nnx, get_model, token_loss
 from jaxmem.pipeline import Pipeline, make_mesh
-from jaxmem.schedule import generate
+from jaxmem.schedule import Action, generate
 from jaxmem.train import Trainer
 from jaxmem.verify import verify
 
@@ -152,8 +152,18 @@ def test_the_tensor_axis_cuts_the_layers_state_and_the_ledger_predicts_it(tensor
     predicted = predict(
         cut.model, cut.schedule, None, batch=config.batch_size, seq=config.seq_len, data_parallel=2, tensor=2
     )
-    report = compare(predicted, cut.measure_memory())
+    compiled = cut.lower(cut_state).compile()
+    report = compare(predicted, cut.measure_memory(cut_state, compiled))
     assert report["max_prediction_error"] <= 0.10, report
+    # The stash arenas are cut over tensor: each device's buffer is one row of [tensor, rows], the
+    # rows being half of what the residuals of a window take whole.
+    tick, plans = cut.pipeline.program(cut.batch_spec())
+    (key,) = tick.stash_keys
+    whole = max(p.stash_elems[key] for p in plans.values())
+    assert max(tick.window) == -(-whole // 2)
+    assert f"f32[1,{tick.arena_elems[0]}]" in compiled.as_text()
+    assert f"f32[{2 * tick.arena_elems[0]}]" not in compiled.as_text()
+    assert report["ranks"][0]["categories"]["stash"]["program_device"] == predicted.ranks[0].categories["stash"].device
     row = report["ranks"][0]["categories"]
     for name in ("params", "grads", "optimizer_state"):
         assert row[name]["predicted_device"] == pytest.approx(row[name]["program_device"], abs=16), (name, row[name])
@@ -188,3 +198,72 @@ def test_a_checkpoint_moves_between_tensor_splits(tensor_trainers, tmp_path):
             np.testing.assert_array_equal(np.asarray(a), b)
         resumed, metrics, _ = trainer.step(resumed)
         assert np.isfinite(float(metrics["loss"]))
+
+
+def test_the_cut_analysis_follows_the_megatron_split():
+    """What the ledger and the cost model read off a layer's jaxpr: Llama cuts every matmul (heads and
+    MLP) and sums two [seq, d] outputs per layer (attention's and the MLP's output projections); the
+    GPT cuts only its MLP and sums one."""
+    from jaxmem.memory import model_facts
+    from jaxmem.policy import PRESETS
+
+    seq = 32
+    llama = get_model("llama-tiny")
+    facts = model_facts(llama)
+    save_all = PRESETS["save-all"].bind(llama.tags)
+    two, four = facts.tensor_cut(save_all, seq, 2), facts.tensor_cut(save_all, seq, 4)
+    d = llama.split(llama.abstract_params())[1]["norm"]["scale"].shape[0]
+    assert two.flops == 1.0 and two.reduced_bytes == 2 * seq * d * 4
+    # On 4 ranks the 2 key/value heads stay whole, and so do their activations.
+    assert 0.5 < four.full < two.full < 1.0
+    gpt = get_model("tiny")
+    cut = model_facts(gpt).tensor_cut(PRESETS["save-all"].bind(gpt.tags), seq, 2)
+    d = gpt.analytic.d_model
+    # Matmul FLOPs per token: qkv 6d^2, output 2d^2, MLP 16d^2 (cut), attention 4 s d.
+    assert cut.flops == pytest.approx(16 * d / (24 * d + 4 * seq)) and cut.reduced_bytes == seq * d * 4
+    assert model_facts(gpt).tensor_cut(PRESETS["save-all"].bind(gpt.tags), seq, 1).flops == 0.0
+
+
+def test_the_planner_prices_and_searches_the_tensor_axis():
+    from jaxmem.memory import estimate, get_hardware
+    from jaxmem.search import search
+
+    model, h100 = get_model("llama-tiny"), get_hardware("h100")
+    schedule = generate("1f1b", 2, 4)
+    one = estimate(model, schedule, "save-all", batch=8, seq=32, hardware=h100)
+    two = estimate(model, schedule, "save-all", batch=8, seq=32, hardware=h100, tensor=2)
+    # Every matmul of a Llama layer is cut: half the stage's FLOPs per device, and the sums on top.
+    assert two.costs.stage_weights[0] == pytest.approx(one.costs.stage_weights[0] / 2)
+    f = Action.parse("0F0")
+    sums = h100.collective_seconds("all_reduce", 4 * 2 * 2 * 32 * 64 * 4, 2)  # layers x mb x two [seq, d]
+    assert two.costs.extra(f) - one.costs.extra(f) >= sums > 0
+    assert two.ledger.max_device_bytes < one.ledger.max_device_bytes
+    result = search(model, devices=8, budget_bytes=2**30, hardware=h100, batch=16, seq=32, pipes=[2])
+    assert {c.tensor for c in result.candidates} == {1, 2, 4}
+    fixed = search(
+        model,
+        devices=8,
+        budget_bytes=2**30,
+        hardware=h100,
+        batch=16,
+        seq=32,
+        mesh={"data": 1, "fsdp": 1, "pipe": 2, "tensor": 4},
+        policies=("save-all",),
+    )
+    assert {(c.pipe, c.data, c.fsdp, c.tensor) for c in fixed.candidates} == {(2, 1, 1, 4)}
+
+
+def test_plan_takes_a_mesh_and_prints_the_train_command(capsys):
+    import json
+    import shlex
+
+    from jaxmem.cli import main
+    from jaxmem.config import parse_train_args
+
+    argv = ["plan", "--model", "llama-tiny", "--mesh", "pipe=2,tensor=2", "--budget", "1GiB", "--json"]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["devices"] == 4 and (record["best"]["pipe"], record["best"]["tensor"]) == (2, 2)
+    words = shlex.split(record["train_command"])
+    config = parse_train_args(words[2:])
+    assert (config.stages, config.tensor, config.schedule) == (2, 2, record["best"]["schedule"])

@@ -52,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     if not getattr(args, "run", None):
-        parser.print_help()
-        return 0 if args.command is None else 2
+        if args.command is None:
+            parser.print_help()
+            return 0
+        # A command of several actions, given none: one line, not the whole usage.
+        print(f"error: jaxmem {args.command} needs an action; see jaxmem {args.command} --help", file=sys.stderr)
+        return 2
     try:
         return int(args.run(args) or 0)
     except JaxmemError as e:

@@ -11,10 +11,15 @@ examples:
   jaxmem elastic recovery --devices 8 --failed 3 -- --stages 4 --data-parallel 2 --microbatches 4 --batch-size 16
   jaxmem elastic recovery --devices 4 --failed 1 --json -- --stages 4 --microbatches 4 --batch-size 8 --steps 100
   jaxmem elastic recovery --devices 8 --failed 0 -- --model llama-1b --stages 8 --microbatches 8 --batch-size 16
+  jaxmem elastic recovery --devices 16 --devices-per-proc 8 --failed 9 --spares 1 --budget 40GiB -- \
+      --model llama-8b --dtype bfloat16 --mesh data=2,pipe=4,tensor=2 --microbatches 16 --batch-size 32 \
+      --seq-len 4096 --policy selective --steps 1000
 
 The arguments after `--` describe the running job (as for `jaxmem train`). Strategies: restart on
-spares, shrink data-parallel, re-partition over fewer pipeline stages, reroute (scored, not runnable
-by the SPMD executor). The score is the time to finish the remaining steps, recovery included."""
+spares, shrink data-parallel, shrink fsdp, re-partition over fewer pipeline stages (each keeps the
+job's tensor axis), reroute (scored, not runnable by the SPMD executor). The score is the time to
+finish the remaining steps, recovery included; with --budget, a new layout predicted over it is
+scored but not chosen."""
 
 
 def add_parser(sub) -> None:
@@ -43,6 +48,11 @@ def add_parser(sub) -> None:
         help="hardware profile for the model (default h100; cpu: this machine, its cores shared by the "
         "devices as `jaxmem launch` runs them)",
     )
+    a.add_argument(
+        "--budget",
+        help="device memory, e.g. 80GiB: a new layout the ledger predicts above it is scored but not chosen "
+        "(default: the job's own --budget, else none)",
+    )
     a.add_argument("--json", action="store_true")
     a.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the job's jaxmem train arguments")
     a.set_defaults(run=run)
@@ -51,6 +61,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from jaxmem._errors import JaxmemError
+    from jaxmem._util import parse_bytes
     from jaxmem.config import parse_train_args
     from jaxmem.elastic import choose_recovery
     from jaxmem.memory import cpu_cores
@@ -59,8 +70,8 @@ def run(args) -> int:
     config = parse_train_args(train_args)
     if config.num_devices != args.devices:
         raise JaxmemError(
-            f"--devices {args.devices} does not match the job's data({config.data_parallel}) x "
-            f"pipe({config.stages}) = {config.num_devices}"
+            f"--devices {args.devices} does not match the job's data({config.data_parallel}) x fsdp({config.fsdp}) x "
+            f"pipe({config.stages}) x tensor({config.tensor}) = {config.num_devices}"
         )
     if args.devices % args.devices_per_proc:
         raise JaxmemError(f"--devices {args.devices} is not a multiple of --devices-per-proc {args.devices_per_proc}")
@@ -69,6 +80,7 @@ def run(args) -> int:
     if bad:
         raise JaxmemError(f"--failed {bad}: device ranks are 0..{args.devices - 1}")
     failed = sorted({f // args.devices_per_proc for f in args.failed})
+    budget = None if args.budget is None else parse_bytes(args.budget)
     recovery = choose_recovery(
         config,
         devices_per_proc=args.devices_per_proc,
@@ -81,6 +93,7 @@ def run(args) -> int:
         restart_seconds=args.restart_seconds,
         hardware=args.hardware,
         cores=cpu_cores() if str(args.hardware).strip().lower() == "cpu" else None,
+        budget=budget,
     )
     if args.json:
         print_json(recovery.to_json())

@@ -60,7 +60,9 @@ def add_parser(sub) -> None:
     )
     s.add_argument("path", help="an export directory or a checkpoint directory")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    s.add_argument("--tokens", type=positive_int, default=100, help="new tokens to generate (default 100)")
+    s.add_argument(
+        "--tokens", type=positive_int, default=100, help="new tokens to generate (default 100, at most 100000)"
+    )
     s.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default 0.8)")
     s.add_argument("--top-k", type=positive_int, help="sample among the K most likely tokens")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -85,11 +87,20 @@ def run_export(args) -> int:
     return 0
 
 
+# Sampling recomputes the context window per token: beyond this many it is hours on a CPU.
+MAX_SAMPLE_TOKENS = 100_000
+
+
 def run_sample(args) -> int:
     from jaxmem._errors import JaxmemError
 
     if args.tokens < 1:
         raise JaxmemError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.tokens > MAX_SAMPLE_TOKENS:
+        raise JaxmemError(
+            f"--tokens {args.tokens:,} is more than {MAX_SAMPLE_TOKENS:,}: each new token runs the model over "
+            "its whole context window (no key/value cache), so that would take hours; ask for fewer"
+        )
     setup_devices(1)
     from jaxmem.train import load_model
 

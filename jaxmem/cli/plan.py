@@ -12,10 +12,12 @@ examples:
   jaxmem plan --model gpt2-medium --devices 16 --budget 16GiB --hardware tpu-v5p --json
   jaxmem plan --model tiny --devices 4 --budget 12MiB --hardware cpu --batch-size 32 --seq-len 64
   jaxmem plan --model llama-8b --dtype bfloat16 --devices 16 --budget 40GiB --seq-len 4096
+  jaxmem plan --model llama-8b --dtype bfloat16 --mesh data=2,pipe=4,tensor=2 --budget 40GiB --seq-len 4096
   jaxmem train --plan auto --budget 12MiB          # plan, then train with the pick
 
-Searches meshes of the devices (pipeline sizes, and the rest split between whole-parameter data
-replicas and FSDP shards; an FSDP-only layout without a pipeline is one candidate), schedules (gpipe,
+Searches meshes of the devices (pipeline sizes, a tensor split of each pipe rank's devices into 1, 2,
+4 or 8 for models that annotate one, and the rest split between whole-parameter data replicas and
+FSDP shards; an FSDP-only layout without a pipeline is one candidate; --mesh fixes one), schedules (gpipe,
 1f1b, interleaved-1f1b, zb-h1, zbv, chronos), microbatch counts and policies (save-all, selective,
 recompute-all, Chronos-Recomp, Chronos-Offload and both), scores each with the predicted memory
 ledger and the schedule simulator on a hardware profile (h100, tpu-v5p, or cpu = measured on this
@@ -37,7 +39,13 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. gpt2-xl, llama-8b)")
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
-    p.add_argument("--devices", type=positive_int, required=True, help="devices available (data x fsdp x pipe)")
+    p.add_argument("--devices", type=positive_int, help="devices available (data x fsdp x pipe x tensor)")
+    p.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="plan this mesh only, e.g. data=2,pipe=4,tensor=2 (its product is the devices); "
+        "schedules, microbatches and policies are still searched",
+    )
     p.add_argument("--budget", required=True, help="device memory per device, e.g. 24GiB, 512MiB, 8e9")
     p.add_argument("--hardware", default="h100", help="h100 (default), tpu-v5p, or cpu (measured here)")
     p.add_argument("--host-bandwidth", type=positive_float, help="host link GB/s per device (overrides the profile)")
@@ -58,9 +66,11 @@ def make_plan(
     seq: int | None = None,
     pipes=None,
     progress: bool = True,
+    mesh: dict | None = None,
     **overrides,
 ):
-    """Run the configuration search for a model (a preset name, config or StagedModel)."""
+    """Run the configuration search for a model (a preset name, config or StagedModel); ``mesh``
+    (``{"data", "fsdp", "pipe", "tensor"}``): that layout only."""
     import dataclasses
     import sys
 
@@ -69,6 +79,17 @@ def make_plan(
     from jaxmem.models import get_model
     from jaxmem.search import search
 
+    if mesh is not None:
+        product = mesh["data"] * mesh["fsdp"] * mesh["pipe"] * mesh["tensor"]
+        if devices is not None and devices != product:
+            raise JaxmemError(
+                f"--mesh takes {product} devices but --devices is {devices}: drop --devices (the mesh says it)"
+            )
+        if pipes:
+            raise JaxmemError("--mesh sets the pipeline size; drop --pipe (or --mesh)")
+        devices = product
+    if devices is None:
+        raise JaxmemError("say how many devices to plan for: --devices N, or a mesh with --mesh data=2,pipe=4")
     if devices < 1:
         raise JaxmemError(f"--devices must be >= 1, got {devices}")
     model = get_model(model, **{k: v for k, v in overrides.items() if v is not None})
@@ -99,6 +120,7 @@ def make_plan(
         batch=batch,
         seq=seq,
         pipes=pipes,
+        mesh=mesh,
         progress=report,
     )
     if progress:
@@ -107,7 +129,10 @@ def make_plan(
 
 
 def run(args) -> int:
+    from jaxmem.config import parse_mesh
+
     budget = parse_bytes(args.budget)
+    mesh = parse_mesh(args.mesh) if args.mesh else None
     result, batch, seq = make_plan(
         args.model,
         args.devices,
@@ -118,12 +143,14 @@ def run(args) -> int:
         args.seq_len,
         args.pipe,
         progress=not args.json,
+        mesh=mesh,
         dtype=args.dtype,
         param_dtype=args.param_dtype,
     )
     record = result.to_json()
-    mfu = _mfu(result, batch, seq, args)
-    record.update({"batch_size": batch, "seq_len": seq, "mfu": mfu})
+    mfu = _mfu(result, batch, seq, args, result.devices)
+    command = train_command(result.best, args, batch, seq)
+    record.update({"batch_size": batch, "seq_len": seq, "mfu": mfu, "train_command": command})
     if args.json:
         print_json(record)
     else:
@@ -135,10 +162,35 @@ def run(args) -> int:
         if result.best is not None and result.best.note:
             print(f"  policy detail: {result.best.note}")
         print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted")
+        if command:
+            print(f"to train it: {command}")
     return 0 if result.best is not None else 1
 
 
-def _mfu(result, batch: int, seq: int, args) -> float | None:
+def train_command(best, args, batch: int, seq: int) -> str | None:
+    """The ``jaxmem train`` command line that runs the pick (None when nothing fits)."""
+    if best is None:
+        return None
+    import shlex
+
+    sizes = {"data": best.data, "fsdp": best.fsdp, "pipe": best.pipe, "tensor": best.tensor}
+    mesh = ",".join(f"{axis}={n}" for axis, n in sizes.items() if n > 1 or axis == "pipe")
+    words = ["jaxmem", "train", "--model", args.model]
+    for flag, value in (("--dtype", args.dtype), ("--param-dtype", args.param_dtype)):
+        if value:
+            words += [flag, value]
+    shape = ["--batch-size", str(batch), "--seq-len", str(seq)]
+    if best.policy_name.startswith("chronos-"):
+        # A generated policy is a table per stage and microbatch, not a preset: --plan auto plans
+        # again on the same profile and trains its pick.
+        return shlex.join(words + ["--plan", "auto", "--budget", args.budget, "--hardware", args.hardware, *shape])
+    words += ["--mesh", mesh, "--schedule", best.schedule]
+    if best.virtual and best.schedule == "interleaved-1f1b":
+        words += ["--virtual", str(best.virtual)]
+    return shlex.join(words + ["--microbatches", str(best.microbatches), *shape, "--policy", best.policy_name])
+
+
+def _mfu(result, batch: int, seq: int, args, devices: int) -> float | None:
     """Model FLOPs utilisation of the pick: the model's FLOPs per token (no recompute) x its predicted
     tokens/s over the devices' peak."""
     if result.best is None:
@@ -149,4 +201,4 @@ def _mfu(result, batch: int, seq: int, args) -> float | None:
     overrides = {k: v for k, v in (("dtype", args.dtype), ("param_dtype", args.param_dtype)) if v}
     whole = model_facts(get_model(args.model, **overrides)).whole(batch, seq)
     per_token = (whole.forward_flops + whole.backward_flops - whole.recompute_flops) / (batch * seq)
-    return per_token * result.best.tokens_per_second / (args.devices * get_hardware(args.hardware).peak_flops)
+    return per_token * result.best.tokens_per_second / (devices * get_hardware(args.hardware).peak_flops)

@@ -92,6 +92,10 @@ def add_parser(sub) -> None:
     parser.set_defaults(run=None)
 
 
+# Tables beyond this many actions take minutes to build and cannot be read.
+MAX_ACTIONS = 2_000_000
+
+
 def _schedule_from_args(args) -> sch.Schedule:
     csv_path = getattr(args, "csv", None)
     if csv_path and args.name:
@@ -101,10 +105,21 @@ def _schedule_from_args(args) -> sch.Schedule:
     if not args.name:
         names = ", ".join(g.name for g in sch.list_generators())
         raise sch.ScheduleError(f"name a schedule ({names}) or pass --csv FILE")
+    actions = 3 * args.stages * (args.virtual or 2) * args.microbatches
+    if actions > MAX_ACTIONS:
+        raise sch.ScheduleError(
+            f"--stages {args.stages} x --microbatches {args.microbatches} makes about {actions:,} actions, more "
+            f"than this command lays out ({MAX_ACTIONS:,}); use fewer stages or microbatches"
+        )
     return sch.generate(args.name, args.stages, args.microbatches, args.virtual)
 
 
 def _costs_from_args(args) -> sch.Costs:
+    if args.cost_f == 0 and args.cost_i == 0 and args.cost_w == 0 and not args.cost_b:
+        raise sch.ScheduleError(
+            "--cost-f, --cost-i and --cost-w are all 0: every action would take no time (a makespan of 0); "
+            "give the forward or the backward a cost"
+        )
     return sch.Costs(
         f=args.cost_f,
         b=args.cost_b,

@@ -43,8 +43,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from jaxmem._util import die_with_launcher
     from jaxmem.config import from_args
 
+    die_with_launcher()  # a launched worker: stop with its launcher, however that dies
     config = from_args(args)
     setup_devices(config.devices or config.num_devices)
     if config.plan == "auto" and not config.devices:

@@ -152,7 +152,10 @@ def read_documents(path: str, field: str = "text") -> Iterator[str]:
             import pyarrow.parquet as pq
         except ImportError:
             raise JaxmemError(f"{path}: reading Parquet needs pyarrow: pip install 'jaxmem[data]'") from None
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise JaxmemError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
         if field not in table.column_names:
             raise JaxmemError(
                 f"{path}: no column {field!r} (has: {', '.join(table.column_names)}); pass --data-field NAME"
@@ -271,6 +274,11 @@ def load_corpus(spec: str, *, tokenizer: str | Tokenizer | None = "byte", field:
             raise JaxmemError(f"--data {spec}: column {field!r} holds no text")
         return _pack(texts, get_tokenizer(tokenizer, texts, saved=saved), name)
     files = list_files(spec)
+    if field != "text" and not any(f.lower().endswith(_JSON_SUFFIXES + _PARQUET_SUFFIXES) for f in files):
+        raise JaxmemError(
+            f"--data-field {field!r} names a JSONL field or Parquet column, but --data {spec} is plain text "
+            "files (each file is one document). Drop --data-field"
+        )
     texts = [doc for path in files for doc in read_documents(path, field)]
     texts = [t for t in texts if t]
     if not texts:

@@ -68,6 +68,9 @@ class ByteTokenizer(Tokenizer):
         return "byte"
 
 
+MAX_BPE = 2**20  # the largest bpe:N trained (module functions below)
+
+
 class BPETokenizer(Tokenizer):
     """A Hugging Face ``tokenizers.Tokenizer`` (byte-level BPE as GPT-2, or any ``tokenizer.json``)."""
 
@@ -96,6 +99,11 @@ class BPETokenizer(Tokenizer):
 
         if vocab_size < 257:
             raise JaxmemError(f"a BPE vocabulary needs more than the 256 bytes; got bpe:{vocab_size}")
+        if vocab_size > MAX_BPE:
+            raise JaxmemError(
+                f"bpe:{vocab_size} is more ids than any model here would use (at most {MAX_BPE:,}; the largest "
+                "open models use about 256k); pick e.g. bpe:32000"
+            )
         tok = tokenizers.Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -106,6 +114,14 @@ class BPETokenizer(Tokenizer):
             show_progress=False,
         )
         tok.train_from_iterator(texts, trainer=trainer)
+        learned = tok.get_vocab_size()
+        if learned < vocab_size:
+            # The corpus ran out of pairs to merge: a run named bpe:N could not be resumed or shared
+            # under that name, and its model would be sized for ids that never occur.
+            raise JaxmemError(
+                f"the data has only enough text for {learned} BPE ids, not the {vocab_size} of bpe:{vocab_size}; "
+                f"use --tokenizer bpe:{learned} (or fewer), or more --data"
+            )
         return cls(tok, f"bpe:{vocab_size}")
 
     def encode_batch(self, texts):

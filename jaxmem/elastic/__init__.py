@@ -17,6 +17,7 @@ from jaxmem.elastic._recovery import choose_recovery as choose_recovery
 from jaxmem.elastic._recovery import predicted_step_seconds as predicted_step_seconds
 from jaxmem.elastic._worker import FailureInjectionHook as FailureInjectionHook
 from jaxmem.elastic._worker import HeartbeatHook as HeartbeatHook
+from jaxmem.elastic._worker import die_with_launcher as die_with_launcher
 from jaxmem.elastic._worker import worker_hooks as worker_hooks
 from jaxmem.train import Checkpointer as Checkpointer
 from jaxmem.train import CheckpointError as CheckpointError

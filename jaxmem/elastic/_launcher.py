@@ -18,7 +18,6 @@ then abort, the hung worker is blamed, not the peer that noticed.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -76,11 +75,20 @@ class LaunchResult:
     run_dir: str
     summary: dict | None
 
+    def recovery_seconds(self) -> list[float | None]:
+        """Per recovery, seconds from the failure's detection to the new attempt's first step (None
+        when that attempt reached no step)."""
+        return [
+            None if now.first_step_at is None or before.failed_at is None else now.first_step_at - before.failed_at
+            for before, now in zip(self.attempts, self.attempts[1:])
+        ]
+
     def to_json(self) -> dict:
         return {
             "ok": self.ok,
             "run_dir": self.run_dir,
             "attempts": [dataclasses.asdict(a) for a in self.attempts],
+            "recovery_seconds": self.recovery_seconds(),
             "summary": self.summary,
         }
 
@@ -99,6 +107,16 @@ def _with_flag(args: list, flag: str, value) -> list:
             continue
         out.append(a)
     return out + ([flag, str(value)] if value is not None else [])
+
+
+def _recovered_args(args: list, choice) -> list:
+    """The worker arguments of a recovery's next attempt: the strategy's whole mesh in one ``--mesh``
+    (any mesh flag of the user's replaced, so none conflicts with it) and its layer split."""
+    for flag in ("--stages", "--data-parallel", "--fsdp", "--tensor", "--devices"):
+        args = _with_flag(args, flag, None)
+    args = _with_flag(args, "--mesh", choice.mesh)
+    split = ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None
+    return _with_flag(args, "--layers-per-stage", split)
 
 
 def _hold_run_dir(run: Path):
@@ -167,7 +185,7 @@ def launch(
     """
     from jaxmem.config import parse_train_args
     from jaxmem.elastic._recovery import STRATEGIES, choose_recovery
-    from jaxmem.elastic._worker import FAIL_AT_ENV, HEARTBEAT_ENV
+    from jaxmem.elastic._worker import FAIL_AT_ENV, HEARTBEAT_ENV, LAUNCHER_ENV
     from jaxmem.memory import cpu_cores
 
     if nprocs < 1 or devices_per_proc < 1:
@@ -191,9 +209,10 @@ def launch(
     if nprocs > limit:
         raise JaxmemError(f"--nprocs {nprocs} is more than this machine can start ({limit} at most here)")
     run = Path(run_dir or f"runs/launch-{int(time.time())}").absolute()
+    args = _worker_args(train_args, run)
+    parse_train_args(args)  # the workers' train arguments, checked before any file is made
     run.mkdir(parents=True, exist_ok=True)
     held = _hold_run_dir(run)  # before any log or heartbeat file is touched
-    args = _worker_args(train_args, run)
     attempts: list[Attempt] = []
     deadline = None if timeout is None else time.time() + timeout
     current_nprocs = nprocs
@@ -207,15 +226,16 @@ def launch(
             needed = config.num_devices
             if needed > current_nprocs * devices_per_proc:
                 raise JaxmemError(
-                    f"the plan needs data({config.data_parallel}) x pipe({config.stages}) = {needed} devices "
-                    f"but {current_nprocs} process(es) x {devices_per_proc} device(s) are running"
+                    f"the plan needs data({config.data_parallel}) x fsdp({config.fsdp}) x pipe({config.stages}) x "
+                    f"tensor({config.tensor}) = {needed} devices but {current_nprocs} process(es) x "
+                    f"{devices_per_proc} device(s) are running; pass --nprocs / --devices-per-proc to match"
                 )
             port = _free_port()
             attempt = Attempt(current_nprocs, list(args), time.time())
             attempts.append(attempt)
             log(
                 f"attempt {attempt_index + 1}: {current_nprocs} process(es) x {devices_per_proc} device(s), "
-                f"P={config.stages} D={config.data_parallel}"
+                f"mesh data={config.data_parallel},fsdp={config.fsdp},pipe={config.stages},tensor={config.tensor}"
             )
             workers.clear()
             procs, heartbeats = workers, []
@@ -229,6 +249,7 @@ def launch(
                         HEARTBEAT_ENV: str(run / f"heartbeat-{attempt_index}-{rank}"),
                         "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
                         "XLA_FLAGS": with_host_devices(os.environ.get("XLA_FLAGS", ""), devices_per_proc),
+                        LAUNCHER_ENV: str(os.getpid()),
                     }
                 )
                 env.pop(FAIL_AT_ENV, None)
@@ -246,8 +267,11 @@ def launch(
                         env=env,
                         stdout=out,
                         stderr=subprocess.STDOUT,
+                        # No preexec_fn: CPython then forks without running this process's at-fork
+                        # handlers (JAX's warns that a fork of its multithreaded runtime may deadlock;
+                        # nothing of it runs in the child, which execs at once). The worker asks to
+                        # die with the launcher itself (die_with_launcher).
                         start_new_session=True,
-                        preexec_fn=_die_with_parent,
                     )
                 )
             failed_rank = None
@@ -290,12 +314,18 @@ def launch(
                 attempt.exit_codes = [p.returncode for p in procs]
                 summary = _summary(run / f"worker-{attempt_index}-0.log")
                 loss = summary and summary.get("loss_last")
+                result = LaunchResult(True, attempts, str(run), summary)
+                recovered = "".join(
+                    f"; recovery {k}: {s:.1f} s from the failure to the first new step"
+                    for k, s in enumerate(result.recovery_seconds(), 1)
+                    if s is not None
+                )
                 log(
                     f"finished: {summary and summary.get('steps')} steps, final loss "
                     f"{'-' if loss is None else f'{loss:.4f}'}, {time.time() - attempts[0].started:.1f} s in "
-                    f"{len(attempts)} attempt(s)"
+                    f"{len(attempts)} attempt(s){recovered}"
                 )
-                return LaunchResult(True, attempts, str(run), summary)
+                return result
             attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
             _stop(procs)
             attempt.exit_codes = [p.returncode for p in procs]
@@ -350,14 +380,7 @@ def launch(
             if choice.name == "restart-on-spares":
                 spares -= 1
             current_nprocs = choice.nprocs
-            args = _with_flag(args, "--stages", choice.stages)
-            args = _with_flag(args, "--data-parallel", choice.data_parallel)
-            args = _with_flag(
-                args,
-                "--layers-per-stage",
-                ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None,
-            )
-            args = _with_flag(args, "--devices", None)
+            args = _recovered_args(args, choice)
         return LaunchResult(False, attempts, str(run), None)
     except LaunchInterrupted as e:
         log(f"launcher got {signal.Signals(e.signum).name}: stopping the workers (each saves its current step)")
@@ -400,14 +423,6 @@ def _forward_signals() -> dict:
         raise LaunchInterrupted(signum)
 
     return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-
-def _die_with_parent() -> None:  # pragma: no cover -- runs in the child before exec
-    """Linux: SIGTERM this worker when the launcher dies (prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stopped(pid: int) -> bool:

@@ -5,6 +5,7 @@ reconstruction: the paper's model and search were not available to us).
 Strategies, for the devices that are left:
 - ``restart-on-spares``: the same plan on spare processes that replace the failed ones;
 - ``shrink-data-parallel``: drop the data-parallel replicas that lost a device, keep the pipeline;
+- ``shrink-fsdp``: fewer devices share each replica's parameters (more static state per device);
 - ``re-partition``: re-split the layers over fewer pipeline stages on the surviving processes;
 - ``reroute``: a surviving neighbour runs the failed rank's stage as an extra virtual stage (no
   restart of the split: the schedule IR expresses it; our SPMD executor needs equal stages per
@@ -26,7 +27,9 @@ processes) and checked on llama-tiny and on meshes the fit did not see (8% worst
 as below, 29% uncalibrated);
 ``benchmarks/elastic.py`` checks them on runs with failures. The calibration is one factor,
 measured / modelled pre-failure step, applied to every candidate: the machine's speed drifts (by up
-to a third here between runs), its shape does not.
+to a third here between runs), its shape does not. With a measured step the planner therefore
+starts from the nominal CPU profile and compiles nothing (the calibrated profile would time a
+compiled step first, minutes on a loaded machine, only for the factor to cancel it).
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import human_bytes
 
 # Fitted on the 2-core development machine (module docstring).
 OVERSUBSCRIPTION = 0.2  # slowdown exponent of processes beyond the cores
 
-STRATEGIES = ("restart-on-spares", "shrink-data-parallel", "re-partition", "reroute")  # module docstring
+STRATEGIES = ("restart-on-spares", "shrink-data-parallel", "shrink-fsdp", "re-partition", "reroute")  # module docstring
 
 __all__ = ["STRATEGIES", "Recovery", "RecoveryError", "Strategy", "choose_recovery", "predicted_step_seconds"]
 
@@ -60,10 +64,24 @@ class Strategy:
     lost_seconds: float
     score_seconds: float
     note: str = ""
+    fsdp: int = 1
+    tensor: int = 1
+    device_bytes: float | None = None  # predicted per device (the run's policy); None: not predicted
 
     @property
     def throughput_steps_per_second(self) -> float:
         return 1.0 / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def mesh(self) -> str:
+        """The strategy's mesh as ``--mesh`` takes it."""
+        return f"data={self.data_parallel},fsdp={self.fsdp},pipe={self.stages},tensor={self.tensor}"
+
+    @property
+    def layout(self) -> str:
+        """``P=.. D=..`` (with ``F=``/``T=`` when those axes are in use)."""
+        text = f"P={self.stages} D={self.data_parallel}"
+        return text + (f" F={self.fsdp}" if self.fsdp > 1 else "") + (f" T={self.tensor}" if self.tensor > 1 else "")
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "steps_per_second": self.throughput_steps_per_second}
@@ -82,10 +100,11 @@ class Recovery:
         lines = []
         for s in sorted(self.candidates, key=lambda s: (not s.runnable, s.score_seconds)):
             mark = "->" if s is self.choice else "  "
+            memory = "" if s.device_bytes is None else f", {human_bytes(s.device_bytes)}/device"
             lines.append(
-                f"{mark} {s.name:22s} P={s.stages} D={s.data_parallel} procs={s.nprocs}: finish in "
+                f"{mark} {s.name:22s} {s.layout} procs={s.nprocs}: finish in "
                 f"{s.score_seconds:8.1f}s (recover {s.recovery_seconds:.1f}s, lost {s.lost_seconds:.1f}s, "
-                f"{s.step_seconds:.3g}s/step){'' if s.runnable else '  [model only]'} {s.note}"
+                f"{s.step_seconds:.3g}s/step{memory}){_mark(s)} {s.note}"
             )
         return lines
 
@@ -99,6 +118,12 @@ class Recovery:
         }
 
 
+def _mark(s: Strategy) -> str:
+    if s.runnable:
+        return ""
+    return "  [does not fit]" if "over the budget" in s.note else "  [model only]"
+
+
 def _balanced(layers: int, stages: int) -> tuple[int, ...]:
     base, extra = divmod(layers, stages)
     return tuple(base + (1 if i < extra else 0) for i in range(stages))
@@ -109,9 +134,10 @@ def _oversubscription(nprocs: int | None, cores: int | None, exponent: float = O
     return (nprocs / cores) ** exponent if cores and nprocs and nprocs > cores else 1.0
 
 
-def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, hardware, cores):
+def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, hardware, cores, **layout):
     """A configuration's step before calibration and oversubscription: save-all costs on ``hardware``
-    with its devices sharing ``cores`` CPU cores (None: each device its own)."""
+    with its devices sharing ``cores`` CPU cores (None: each device its own); ``layout``: the
+    ``fsdp``, ``tensor``, ``zero`` and ``vocab_parallel`` of :func:`jaxmem.memory.estimate`."""
     from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, estimate
 
     return estimate(
@@ -124,6 +150,7 @@ def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, 
         layer_counts=list(layer_counts),
         hardware=dataclasses.replace(hardware, cores=cores, lockstep=CPU_LOCKSTEP_PROCESSES),
         memory=False,
+        **layout,
     ).step_seconds
 
 
@@ -190,6 +217,7 @@ def choose_recovery(
     restart_seconds: float = 15.0,
     hardware=None,
     cores: int | None = None,
+    budget: float | None = None,
 ) -> Recovery:
     """Score the strategies for the processes left after ``failed`` (process ranks) died.
 
@@ -204,13 +232,19 @@ def choose_recovery(
         measured_step_seconds: the pre-failure step time (calibrates the model).
         restart_seconds: process start + compile + restore (measured by the launcher when it can).
         cores: CPU cores the devices share (None: as many as devices).
+        budget: device memory in bytes (default: the config's ``budget``); a layout other than the
+            job's own that the ledger predicts above it is scored but not chosen.
     """
-    from jaxmem.memory import get_hardware
+    from jaxmem.memory import HARDWARE, estimate, get_hardware
     from jaxmem.schedule import ScheduleError, generate
 
+    if hardware is None and cores and measured_step_seconds:
+        # The measured step sets the scale (below): the nominal rate serves, and nothing compiles.
+        hardware = dataclasses.replace(HARDWARE["cpu"], cores=cores, note="nominal, scaled by the measured step")
     hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
     model = config.build_model()
     P, D, M = config.stages, config.data_parallel, config.microbatches
+    F, T = config.fsdp, config.tensor
     B, seq = config.batch_size, config.seq_len
     schedule_name = config.schedule or "1f1b"
     layers = model.n_layers
@@ -219,28 +253,51 @@ def choose_recovery(
     remaining = config.steps - last_checkpoint
     lost_steps = steps_done - last_checkpoint
     original_counts = tuple(config.layers_per_stage or _balanced(layers, P))
+    layout = {"zero": config.zero, "vocab_parallel": config.vocab_parallel}
+    budget = budget or config.budget
 
-    def modelled(stages, data, counts, schedule=None):
+    def modelled(stages, data, counts, schedule=None, fsdp=F):
         schedule = schedule or generate(schedule_name, stages, M)
-        return _modelled_seconds(model, schedule, data, B, seq, counts, hardware, cores)
+        return _modelled_seconds(model, schedule, data, B, seq, counts, hardware, cores, fsdp=fsdp, tensor=T, **layout)
 
     modelled_original = modelled(P, D, original_counts) * _oversubscription(nprocs, cores)
     scale = measured_step_seconds / modelled_original if measured_step_seconds else 1.0
     old_step = measured_step_seconds or modelled_original
     candidates = []
 
-    def add(name, nprocs_new, stages, data, counts, runnable=True, note="", stage_to_rank=None, schedule=None):
-        if (
-            stages < 1
-            or data < 1
-            or B % (data * M)
-            or (schedule is None and stages * data > nprocs_new * devices_per_proc)
-        ):
+    def device_bytes(stages, data, fsdp, counts):
+        """Predicted per-device bytes of the run's policy on this layout (the ledger; no compile)."""
+        return estimate(
+            model,
+            generate(schedule_name, stages, M),
+            config.policy,
+            batch=B,
+            seq=seq,
+            data_parallel=data,
+            fsdp=fsdp,
+            tensor=T,
+            layer_counts=list(counts),
+            hardware=hardware,
+            **layout,
+        ).device_bytes
+
+    def add(name, stages, data, counts, runnable=True, note="", schedule=None, fsdp=F, nprocs_new=None):
+        devices = stages * data * fsdp * T
+        available = devices_left if nprocs_new is None else nprocs_new * devices_per_proc
+        if stages < 1 or data < 1 or B % (data * fsdp * M) or (schedule is None and devices > available):
             return
+        if nprocs_new is None:
+            nprocs_new = survivors if schedule is not None else -(-devices // devices_per_proc)
         try:
-            step = modelled(stages, data, counts, schedule) * scale * _oversubscription(nprocs_new, cores)
+            step = modelled(stages, data, counts, schedule, fsdp) * scale
+            step *= _oversubscription(nprocs_new, cores)
+            held = None if schedule is not None else device_bytes(stages, data, fsdp, counts)
         except (ScheduleError, JaxmemError):
             return
+        # The job's own layout ran: a budget judges only the layouts it did not.
+        if held is not None and budget and held > budget and (stages, data, fsdp) != (P, D, F):
+            runnable = False
+            note += f" (over the budget: {human_bytes(held)} > {human_bytes(budget)} per device)"
         recovery = 0.0 if name == "reroute" else restart_seconds
         lost = lost_steps * old_step if name != "reroute" else 0.0
         score = recovery + (remaining if name != "reroute" else config.steps - steps_done) * step
@@ -256,45 +313,39 @@ def choose_recovery(
                 recovery,
                 lost,
                 score + lost,
-                note,
+                note.strip(),
+                fsdp=fsdp,
+                tensor=T,
+                device_bytes=held,
             )
         )
 
     if spares >= len(failed):
-        add("restart-on-spares", nprocs, P, D, original_counts, note=f"{len(failed)} spare(s) take over")
-    # Devices per process are the unit that fails; plans use whole processes.
+        add("restart-on-spares", P, D, original_counts, note=f"{len(failed)} spare(s) take over", nprocs_new=nprocs)
+    # Devices per process are the unit that fails; plans use whole processes. Device i of the mesh
+    # (data, fsdp, pipe, tensor; tensor innermost) belongs to replica i // (P T), numbered data-major:
+    # a lost device takes its whole fsdp group (the group's parameter shards) with it.
+    lost_devices = {r * devices_per_proc + k for r in failed for k in range(devices_per_proc)}
+    lost_groups = {d // (P * T * F) for d in lost_devices if d < P * T * F * D}
     if D > 1:
-        lost_replicas = len({(r * devices_per_proc) // (P) for r in failed})
-        d_new = D - max(lost_replicas, 1)
-        if d_new >= 1 and d_new * P <= devices_left:
-            add(
-                "shrink-data-parallel",
-                (d_new * P + devices_per_proc - 1) // devices_per_proc,
-                P,
-                d_new,
-                original_counts,
-                note=f"data {D} -> {d_new}",
-            )
+        d_new = D - max(len(lost_groups), 1)
+        add("shrink-data-parallel", P, d_new, original_counts, note=f"data {D} -> {d_new}")
+    for f_new in range(F - 1, 0, -1):
+        if D * f_new * P * T <= devices_left and not B % (D * f_new * M):
+            add("shrink-fsdp", P, D, original_counts, fsdp=f_new, note=f"fsdp {F} -> {f_new}")
+            break
     for p_new in range(P - 1, 0, -1):
         for d_new in range(D, 0, -1):
-            if p_new * d_new <= devices_left and layers >= p_new:
+            if p_new * d_new * F * T <= devices_left and layers >= p_new:
                 counts = _balanced(layers, p_new)
-                add(
-                    "re-partition",
-                    (p_new * d_new + devices_per_proc - 1) // devices_per_proc,
-                    p_new,
-                    d_new,
-                    counts,
-                    note=f"pipe {P} -> {p_new}, layers {list(counts)}",
-                )
+                add("re-partition", p_new, d_new, counts, note=f"pipe {P} -> {p_new}, layers {list(counts)}")
                 break
         if any(c.name == "re-partition" for c in candidates):
             break
-    if D == 1 and len(failed) == 1 and P > 1 and devices_per_proc == 1:
+    if D == 1 and F == 1 and T == 1 and len(failed) == 1 and P > 1 and devices_per_proc == 1:
         rerouted = _reroute_schedule(schedule_name, P, M, failed[0] % P)
         add(
             "reroute",
-            survivors,
             P - 1,
             1,
             original_counts,
@@ -305,9 +356,22 @@ def choose_recovery(
     runnable = [c for c in candidates if c.runnable]
     choice = min(runnable, key=lambda c: c.score_seconds) if runnable else None
     if choice is None:
+        over = [c for c in candidates if "over the budget" in c.note]
+        if over:
+            least = min(over, key=lambda c: c.device_bytes)
+            raise RecoveryError(
+                f"{survivors} surviving process(es) x {devices_per_proc} device(s) cannot hold this job: every "
+                f"layout left is predicted over the budget of {human_bytes(budget)} per device, the smallest "
+                f"{least.layout} at {human_bytes(least.device_bytes)}; add processes (or spares)"
+                + (
+                    ""
+                    if str(config.policy) == "recompute-all"
+                    else ", or pick a policy that holds less (--policy recompute-all)"
+                )
+            )
         raise RecoveryError(
             f"{survivors} surviving process(es) x {devices_per_proc} device(s) cannot run this job: it needs at "
-            f"least {M} microbatches' worth of batch and one pipeline stage per device; the smallest runnable "
-            f"configuration is 1 process x 1 device (P=1, D=1) with batch divisible by {M}"
+            f"least {M} microbatches' worth of batch and {T * F} device(s) per pipeline stage (tensor x fsdp); the "
+            f"smallest runnable configuration is P=1, D=1 on {T * F} device(s) with batch divisible by {M * F}"
         )
     return Recovery(choice, tuple(candidates), devices_left, remaining)

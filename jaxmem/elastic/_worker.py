@@ -10,9 +10,10 @@ import signal
 
 import numpy as np
 
+from jaxmem._util import LAUNCHER_ENV, die_with_launcher
 from jaxmem.train import Hook
 
-__all__ = ["FailureInjectionHook", "HeartbeatHook", "worker_hooks"]
+__all__ = ["LAUNCHER_ENV", "FailureInjectionHook", "HeartbeatHook", "die_with_launcher", "worker_hooks"]
 
 HEARTBEAT_ENV = "JAXMEM_HEARTBEAT_FILE"
 FAIL_AT_ENV = "JAXMEM_FAIL_AT_STEP"

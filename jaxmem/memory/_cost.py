@@ -118,7 +118,8 @@ class Hardware:
 
     def group_bandwidth(self, size: int, stride: int) -> float | None:
         """Bytes/s per device of a collective over ``size`` devices ``stride`` apart in device order
-        (the mesh's devices are ordered data, fsdp, pipe: pipe neighbours are adjacent): the node's
+        (the mesh's devices are ordered data, fsdp, pipe, tensor: tensor neighbours are adjacent, pipe
+        neighbours ``tensor`` apart): the node's
         link when the group fits in one node, else the network. None: not priced."""
         if self.link_bandwidth is None or size <= 1:
             return None
@@ -204,6 +205,7 @@ def step_costs(
     vocab: bool = False,
     data_parallel: int = 1,
     fsdp: int = 1,
+    tensor: int = 1,
 ) -> Costs:
     """Costs for :func:`jaxmem.schedule.simulate`, in seconds on ``hardware``.
 
@@ -224,6 +226,12 @@ def step_costs(
     its actions and the reduce-scatter of their gradient after B and W; with ``vocab``, the four
     sums over the pipe ranks per microbatch (rows, their gradient, the head's input and its
     gradient), spread over the F actions like the head's FLOPs.
+
+    With ``tensor`` (:meth:`~jaxmem.memory.ModelFacts.tensor_cut`): the cut part of a stage's matmul
+    FLOPs runs on ``1/tensor`` of them; every forward (and every recomputed forward) sums the outputs
+    of the matmuls that contract the cut over the tensor devices, every backward as many of the cut
+    matmuls' input gradients; a backward gathers the whole part of its stashed item back from the
+    tensor devices' shares (a cut residual stays each device's share; the executor's CutArena).
     """
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
@@ -253,47 +261,73 @@ def step_costs(
     head_share = 0.0
     if vocab:
         head_share = facts.vocab_flops(microbatch, seq) / rate / schedule.num_stages
-        head_share += 4 * hardware.collective_seconds("all_reduce", message, ranks) / virtual
+        head_share += 4 * hardware.collective_seconds("all_reduce", message, ranks, tensor) / virtual
     shared_bytes = facts.stage_shared_bytes(vocab)
+    # What a stage's weights take on a device once gathered over fsdp (its tensor cut stays).
+    layer_bytes = facts.layer_bytes
+    if tensor > 1:
+        cut = facts.static_bytes(ranks, 1, tensor=tensor).stage_params[0]
+        layer_bytes *= cut / facts.static_bytes(ranks, 1).stage_params[0]
 
     def fsdp_seconds(stage: int, kind: str) -> float:
         if fsdp <= 1:
             return 0.0
-        whole = layer_counts[stage] * facts.layer_bytes + (shared_bytes if stage in (0, last) else 0.0)
-        seconds = hardware.collective_seconds("all_gather", whole, fsdp, ranks)
+        whole = layer_counts[stage] * layer_bytes + (shared_bytes if stage in (0, last) else 0.0)
+        seconds = hardware.collective_seconds("all_gather", whole, fsdp, ranks * tensor)
         if kind in ("B", "W"):
-            seconds += hardware.collective_seconds("reduce_scatter", whole, fsdp, ranks)
+            seconds += hardware.collective_seconds("reduce_scatter", whole, fsdp, ranks * tensor)
         return seconds
 
     gathers = {(s, k): fsdp_seconds(s, k) for s in range(schedule.num_stages) for k in "FBIW"}
 
+    def tensor_terms(stage: int, policy) -> tuple[float, float, float]:
+        """(share of the stage's FLOPs on one tensor device, seconds of one forward's sums, seconds
+        of a backward's gather of its stashed item's whole part)."""
+        if tensor <= 1:
+            return 1.0, 0.0, 0.0
+        part = facts.tensor_cut(policy, seq, tensor)
+        sums = layer_counts[stage] * microbatch * part.reduced_bytes
+        whole = stage_facts(stage, policy).stash_bytes("device") * (1 - part.stash)
+        return (
+            1 - part.flops * (1 - 1 / tensor),
+            hardware.collective_seconds("all_reduce", sums, tensor),
+            hardware.collective_seconds("all_gather", whole, tensor),
+        )
+
     plain = [stage_facts(s, save_all) for s in range(schedule.num_stages)]
-    forward_seconds = [f.forward_flops / rate for f in plain]
+    share = [tensor_terms(s, save_all)[0] for s in range(schedule.num_stages)]
+    forward_seconds = [f.forward_flops * k / rate for f, k in zip(plain, share)]
     # The simulator charges B twice the stage weight (I and W once each); what the plain backward
     # costs beyond that (measured facts: elementwise work) is added like the recompute.
-    excess = [(f.backward_flops - 2 * f.forward_flops - f.recompute_flops) / rate for f in plain]
+    excess = [(f.backward_flops - 2 * f.forward_flops - f.recompute_flops) * k / rate for f, k in zip(plain, share)]
     cache: dict = {}
 
     def cell(stage: int, mb: int):
+        """(recompute seconds, stash device / host bytes, forward comm, backward comm) of one cell."""
         sp = resolved.stage_policy(stage, mb)
         key = (stage, sp)
         if key not in cache:
             f = stage_facts(stage, sp)
-            cache[key] = (f.recompute_flops / rate, f.stash_bytes("device"), f.stash_bytes("host"))
+            k, sums, gather = tensor_terms(stage, sp)
+            redo = f.recompute_flops / f.forward_flops if f.forward_flops else 0.0
+            back = (1 + redo) * sums + gather
+            cache[key] = (f.recompute_flops * k / rate, f.stash_bytes("device"), f.stash_bytes("host"), sums, back)
         return cache[key]
 
     # On shared CPU cores, stashing costs time beyond FLOPs (the Lockstep constants; none on accelerators).
     per_byte = hardware.lockstep.stash_flops_per_byte / rate if hardware.cores else 0.0
 
     def extra(action: Action) -> float:
-        recompute, device, host = cell(action.stage, action.microbatch)
+        recompute, device, host, forward_comm, backward_comm = cell(action.stage, action.microbatch)
         traffic = per_byte * (device + host) / 2
         comm = gathers[(action.stage, action.kind.value)]
         if action.kind is Kind.F:
-            return traffic + head_share + comm
+            return traffic + head_share + comm + forward_comm
         if action.kind is Kind.B:
-            return recompute + excess[action.stage] + traffic + comm
-        return recompute + (excess[action.stage] + traffic) / 2 + comm
+            return recompute + excess[action.stage] + traffic + comm + backward_comm
+        # I computes the input gradients (the sums); W the weight gradients (no sums).
+        sums = backward_comm if action.kind is Kind.I else 0.0
+        return recompute + (excess[action.stage] + traffic) / 2 + comm + sums
 
     any_host = any(
         resolved.stage_policy(s, m).offload or resolved.stage_policy(s, m).offload_stash
@@ -304,7 +338,7 @@ def step_costs(
         f=1.0,
         i=1.0,
         w=1.0,
-        comm=hardware.collective_seconds("send", message, ranks) if ranks > 1 else 0.0,
+        comm=hardware.collective_seconds("send", message, ranks, tensor) if ranks > 1 else 0.0,
         stage_weights=tuple(forward_seconds),
         extra=extra,
         activation_fn=lambda s, m: cell(s, m)[1] + cell(s, m)[2],
@@ -335,7 +369,15 @@ def state_transfer_seconds(
 
 
 def gradient_sync_seconds(
-    facts, schedule: Schedule, layer_counts, hardware, *, data_parallel: int = 1, fsdp: int = 1, vocab: bool = False
+    facts,
+    schedule: Schedule,
+    layer_counts,
+    hardware,
+    *,
+    data_parallel: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    vocab: bool = False,
 ) -> float:
     """Seconds of the step's gradient reduction after the pipeline and the parameters' return after the
     update, on profiles with links: per stage leaf, a reduce-scatter over the replicas that hold it
@@ -345,14 +387,14 @@ def gradient_sync_seconds(
     hardware = get_hardware(hardware)
     ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
     static = facts.static_bytes(
-        ranks, max(max(layer_counts), 1), virtual, data=data_parallel, fsdp=fsdp, zero=True, vocab=vocab
+        ranks, max(max(layer_counts), 1), virtual, data=data_parallel, fsdp=fsdp, tensor=tensor, zero=True, vocab=vocab
     )
-    stride = fsdp * ranks  # the data axis's devices are fsdp x pipe apart
+    stride = fsdp * ranks * tensor  # the data axis's devices are fsdp x pipe x tensor apart
     seconds = hardware.collective_seconds("all_reduce", sum(static.stage_params), data_parallel, stride)
     shared = facts.stage_shared_bytes(vocab) / fsdp
-    seconds += hardware.collective_seconds("all_reduce", shared, data_parallel * ranks, fsdp)
+    seconds += hardware.collective_seconds("all_reduce", shared, data_parallel * ranks, fsdp * tensor)
     tables = static.shared_params - shared
-    seconds += hardware.collective_seconds("all_reduce", tables, data_parallel * fsdp, ranks)
+    seconds += hardware.collective_seconds("all_reduce", tables, data_parallel * fsdp, ranks * tensor)
     return seconds
 
 
@@ -397,6 +439,7 @@ def estimate(
     seq: int,
     data_parallel: int = 1,
     fsdp: int = 1,
+    tensor: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
     layer_counts=None,
@@ -436,6 +479,7 @@ def estimate(
             seq=seq,
             data_parallel=data_parallel,
             fsdp=fsdp,
+            tensor=tensor,
             zero=zero,
             vocab_parallel=vocab_parallel,
             layer_counts=counts,
@@ -459,15 +503,18 @@ def estimate(
         vocab=vocab,
         data_parallel=data_parallel,
         fsdp=fsdp,
+        tensor=tensor,
     )
     simulation = simulate(schedule, costs)
     transfers = state_transfer_seconds(model, schedule, resolved, counts, hardware, facts=facts)
     compute = simulation.makespan
     if hardware.cores:  # the CPU runs the lockstep executor, its devices sharing the cores
         compute = shared_core_step_seconds(
-            schedule, costs, replicas, hardware.cores, hardware.flops_per_second, hardware.lockstep
+            schedule, costs, replicas * tensor, hardware.cores, hardware.flops_per_second, hardware.lockstep
         )
-    sync = gradient_sync_seconds(facts, schedule, counts, hardware, data_parallel=data_parallel, fsdp=fsdp, vocab=vocab)
+    sync = gradient_sync_seconds(
+        facts, schedule, counts, hardware, data_parallel=data_parallel, fsdp=fsdp, tensor=tensor, vocab=vocab
+    )
     step = compute + transfers + sync
     return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step, sync)
 

@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["ModelFacts", "StageFacts", "StaticBytes", "model_facts"]
+__all__ = ["ModelFacts", "StageFacts", "StaticBytes", "TensorFacts", "model_facts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,24 @@ class StaticBytes:
     stage_state: tuple[float, ...]
     shared_state: float
     gathered: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorFacts:
+    """What a ``tensor`` axis cuts of one layer, for one sequence.
+
+    Attributes:
+        full: fraction of its activation volume (save-all residuals) that is cut.
+        stash: fraction of its stash under the policy that is cut.
+        flops: fraction of its matmul FLOPs that is cut (each tensor device does 1/tensor of them).
+        reduced_bytes: bytes its forward sums over the tensor devices (all-reduces of the matmuls
+            that contract over the cut; the backward sums as many, of the cut matmuls' inputs).
+    """
+
+    full: float = 0.0
+    stash: float = 0.0
+    flops: float = 0.0
+    reduced_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +345,44 @@ class ModelFacts:
             plan = analyze_stage(fn, stage, shared, x, self.batch(1, seq), stash_to_host=policy.offload_stash)
             self._cache[key] = (plan, stage, x)
         return self._cache[key]
+
+    def tensor_cut(self, policy, seq: int, tensor: int) -> TensorFacts:
+        """What a ``tensor`` axis cuts of one layer under ``policy`` (a bound stage policy), from a
+        one-layer middle stage's jaxpr (:mod:`jaxmem.memory._cut`); nothing without an axis or
+        annotations."""
+        policy = dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False)
+        key = ("cut", policy, seq, tensor)
+        if key not in self._cache:
+            self._cache[key] = TensorFacts()
+            if tensor > 1 and self.model.axes is not None:
+                from jaxmem.policy import PRESETS
+
+                full = self._cut(PRESETS["save-all"].bind(self.model.tags), seq, tensor)
+                own = self._cut(policy, seq, tensor)
+                self._cache[key] = TensorFacts(
+                    full=full.cut_bytes / full.values_bytes if full.values_bytes else 0.0,
+                    stash=own.cut_bytes / own.values_bytes if own.values_bytes else 0.0,
+                    flops=full.cut_flops / full.dot_flops if full.dot_flops else 0.0,
+                    reduced_bytes=full.reduced_bytes,
+                )
+        return self._cache[key]
+
+    def _cut(self, policy, seq: int, tensor: int):
+        import jax
+
+        from jaxmem.pipeline import analyze_cut
+
+        plan, stage, _ = self._traced_plan(False, False, 1, policy, seq)
+        layer_axes = self.model.split(self.model.axes)[0][0]
+        dims = []
+        for a, ax in zip(jax.tree.leaves(stage), jax.tree.leaves(layer_axes), strict=True):
+            d = ax.dim("tensor")
+            # Kept whole where the cut would split a unit (as the placement does).
+            dims.append(None if d is None or a.shape[d + 1] % (tensor * ax.unit) else d + 1)
+        dims += [None] * (len(plan.closed.jaxpr.invars) - len(dims))
+        outs = plan.closed.jaxpr.outvars[len(plan.out_avals) :]
+        stashed = [v for v, src in zip(outs, plan.sources) if src[0] == "stash"]
+        return analyze_cut(plan.closed, dims, stashed)[1]
 
     def _traced(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.policy import PRESETS

@@ -132,9 +132,10 @@ def predict(
         data_parallel: data-parallel replicas holding whole parameters.
         fsdp: data-parallel replicas holding a shard of each parameter (FSDP).
         tensor: devices cutting the dimensions the model's annotations name. The parameters, their
-            gradients and optimizer state are counted as cut; activations, the stash and the working
-            set are counted whole on each tensor device (the executor keeps stashed residuals whole
-            over ``tensor``; the cut part of the working set is not subtracted, an over-prediction).
+            gradients and optimizer state are counted as cut; the stash arenas take 1/tensor of
+            their bytes (the executor keeps a cut residual's shares and a share of the rest); the
+            working set's cut part (:meth:`~jaxmem.memory.ModelFacts.tensor_cut`) shrinks by
+            1/tensor, and a backward gathers its item's whole part.
         zero: the optimizer state is sharded over the replicas (ZeRO).
         vocab_parallel: the vocabulary tables are split over the pipe ranks (default: as the
             :class:`~jaxmem.pipeline.Pipeline` does, when the model says where they are and P > 1).
@@ -146,7 +147,7 @@ def predict(
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
-    from jaxmem.pipeline import cell_classes, split_layers
+    from jaxmem.pipeline import cell_classes, split_layers, stash_rows
 
     model = get_model(model)
     facts = facts or model_facts(model)
@@ -183,20 +184,28 @@ def predict(
     optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
-    class_sizes, full_volume, recomputed = {}, 0.0, 0.0
+    class_sizes, full_volume, recomputed, item, kept_cut = {}, 0.0, 0.0, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
+        variant = resolved.variants[c.variant]
         stage = facts.stage(
             first=c.first,
             last=c.last,
             layers=c.layers - len(c.skip),
-            policy=resolved.variants[c.variant],
+            policy=variant,
             microbatch=mb,
             seq=seq,
             vocab=vocab,
         )
-        class_sizes[c] = dict(stage.stash_elems)
-        full_volume = max(full_volume, stage.full_bytes)
-        recomputed = max(recomputed, stage.full_bytes - stage.stash_bytes())
+        class_sizes[c] = stash_rows(stage.stash_elems, tensor)
+        # With a tensor axis, the cut part of the activations (stashed as shares, or recomputed
+        # cut) takes 1/tensor of its bytes on each device; a backward gathers its item's whole part.
+        part = facts.tensor_cut(variant, seq, tensor)
+        shrink = 1 - 1 / tensor
+        full_volume = max(full_volume, stage.full_bytes * (1 - part.full * shrink))
+        recomputed_cut = max(part.full * stage.full_bytes - part.stash * stage.stash_bytes(), 0.0)
+        recomputed = max(recomputed, stage.full_bytes - stage.stash_bytes() - recomputed_cut * shrink)
+        item = max(item, stage.stash_bytes("device") * (1 - part.stash))
+        kept_cut = max(kept_cut, part.stash * stage.stash_bytes("device") * shrink)
     # The layout's cache key, compact: the distinct classes with their sizes, and each cell's class index.
     classes = tuple(class_sizes)
     index = {c: i for i, c in enumerate(classes)}
@@ -208,11 +217,16 @@ def predict(
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // replicas) * seq * 4
     working = BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
+    # Fitted like the constants: a residual kept as shares shrinks by 1/tensor itself, the working
+    # set the backward builds around it (the rest of BACKWARD_WORKSET) does not.
+    working += (BACKWARD_WORKSET - 1) * kept_cut
     if vocab:
         # Every rank's slice of the head's logits and their gradient, after the tick's stage action
         # (whose working set is dead by then): the larger of the two.
         working = max(working, facts.vocab_transient(mb, seq, schedule.num_ranks))
     transient = messages + inputs + slot_out + working
+    # With the stash cut over tensor, a backward gathers its item's whole part (the window counts a share).
+    transient += item * (1 - 1 / tensor)
     # FSDP: a running stage holds its gathered weights and their whole gradient before the
     # reduce-scatter (and the embedding's / head's when it is the first or last).
     transient += 2 * static.gathered

@@ -1,5 +1,8 @@
 """The shard_map executor, the stage split of a model, and the residual analysis of a stage."""
 
+from jaxmem.pipeline._cut import TensorCut as TensorCut
+from jaxmem.pipeline._cut import analyze_cut as analyze_cut
+from jaxmem.pipeline._cut import cut_dims as cut_dims
 from jaxmem.pipeline._executor import Pipeline as Pipeline
 from jaxmem.pipeline._executor import PipelineParams as PipelineParams
 from jaxmem.pipeline._executor import batch_spec as batch_spec
@@ -23,6 +26,8 @@ from jaxmem.pipeline._ticks import StageClass as StageClass
 from jaxmem.pipeline._ticks import TickProgram as TickProgram
 from jaxmem.pipeline._ticks import build_tick_program as build_tick_program
 from jaxmem.pipeline._ticks import cell_classes as cell_classes
+from jaxmem.pipeline._ticks import stash_cut as stash_cut
+from jaxmem.pipeline._ticks import stash_rows as stash_rows
 from jaxmem.pipeline._vocab import join_vocab as join_vocab
 from jaxmem.pipeline._vocab import split_vocab as split_vocab
 from jaxmem.pipeline._vocab import vocab_rows as vocab_rows

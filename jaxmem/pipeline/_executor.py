@@ -15,7 +15,9 @@ counted tokens of the whole batch, however it is microbatched or masked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -27,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmem._errors import JaxmemError
 from jaxmem.models import RNG_SPEC, StagedModel, microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
+from jaxmem.pipeline._cut import CutArena, as_rows
 from jaxmem.pipeline._placement import (
     AXES,
     MESH_AXES,
@@ -40,7 +43,15 @@ from jaxmem.pipeline._placement import (
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
 from jaxmem.pipeline._split import ParamLayout, split_layers, stage_forward
 from jaxmem.pipeline._split import vocab_size as _vocab_size
-from jaxmem.pipeline._ticks import COLUMNS, StageClass, TickProgram, build_tick_program, cell_classes
+from jaxmem.pipeline._ticks import (
+    COLUMNS,
+    StageClass,
+    TickProgram,
+    build_tick_program,
+    cell_classes,
+    stash_cut,
+    stash_rows,
+)
 from jaxmem.policy import ResolvedPolicy, from_spec
 from jaxmem.schedule import Kind, Schedule, validate
 
@@ -264,6 +275,21 @@ class Pipeline:
         self._jitted: dict[tuple, object] = {}
         self._tags_checked = False
 
+    def with_policy(self, policy, drop_layers: frozenset[int] = frozenset()) -> Pipeline:
+        """This pipeline under another policy (and set of dropped layers): the same model, schedule,
+        mesh, layer split and parameter layout (ZeRO, vocabulary split), so the state of one steps
+        the other."""
+        return Pipeline(
+            self.model,
+            self.schedule,
+            self.mesh,
+            layer_counts=self.layer_counts,
+            policy=policy,
+            drop_layers=drop_layers,
+            zero=self.zero,
+            vocab_parallel=self.vocab is not None,
+        )
+
     # ------------------------------------------------------------------ parameters
     @property
     def config(self):
@@ -425,9 +451,9 @@ class Pipeline:
 
     def message_spec(self, batch):
         """What one stage sends the next for a batch: the model's embedding output, abstract."""
-        return jax.eval_shape(
-            self.model.embed, self.model.split(self.model.abstract_params())[1], self.microbatch_spec(batch)
-        )
+        micro = self.microbatch_spec(batch)
+        with _naming_batch_keys(self.model, micro):
+            return jax.eval_shape(self.model.embed, self.model.split(self.model.abstract_params())[1], micro)
 
     def _check_tags(self, abstract: PipelineParams, message, micro) -> None:
         """Every tag the model's stage functions emit must be declared (a policy would silently
@@ -461,6 +487,10 @@ class Pipeline:
                 f"model {self.model.name}: what the embedding passes on must be floating arrays (they carry "
                 f"gradients between stages); got {[str(a.dtype) for a in bad]}"
             )
+        with _naming_batch_keys(self.model, micro):
+            return self._residual_plans(abstract, message, micro)
+
+    def _residual_plans(self, abstract, message, micro) -> dict[StageClass, ResidualPlan]:
         self._check_tags(abstract, message, micro)
         plans = {}
         for c in dict.fromkeys(self.cell_classes.values()):
@@ -482,7 +512,7 @@ class Pipeline:
             tick = build_tick_program(
                 self.schedule,
                 self.cell_classes,
-                {c: p.stash_elems for c, p in plans.items()},
+                {c: stash_rows(p.stash_elems, self.tensor) for c, p in plans.items()},
                 head_grads=self.vocab is not None,
             )
             self._programs[key] = (tick, plans)
@@ -503,6 +533,7 @@ class Pipeline:
         """Loss and gradients of the mean loss over the batch's counted tokens, jitted (one compile
         per batch structure); ``rng`` as in :meth:`grad_fn`."""
         key = _key(_spec_of(batch))
+        _check_tokens(self.model, batch)
         if key not in self._jitted:
             self._jitted[key] = jax.jit(self.grad_fn(batch))
         return self._jitted[key](params, batch, rng)
@@ -547,10 +578,22 @@ class Pipeline:
                 grad if dim is None else jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim - dropped, tiled=True)
             )
 
-        # With a tensor axis, a stashed residual is flattened whole on each tensor device: a flat
-        # vector of a tensor-cut array has no tensor cut of its own, and resharding it inside a branch
-        # would put collective-permutes where only some ranks run.
+        # With a tensor axis the device arenas are cut over it, ``[tensor, rows]``: a residual the
+        # stage computes cut stays each device's share, the others are kept whole on every device
+        # and their flat vector is cut in pieces, gathered back in the backward (CutArena). Whole
+        # residuals are pinned replicated: a flat vector of a cut array has no cut of its own, and
+        # resharding one inside a branch would put collective-permutes where only some ranks run.
         pin = (lambda v: jax.lax.with_sharding_constraint(v, P())) if self.tensor > 1 else None
+        cuts = [stash_cut(key, self.tensor) for key in keys]
+        cut_keys = [key for key, c in zip(keys, cuts) if c > 1]
+
+        def cut_arena(c: StageClass, plan: ResidualPlan) -> CutArena | None:
+            """Where class ``c``'s residuals sit in the cut arenas (None: no tensor axis)."""
+            if not cut_keys:
+                return None
+            dims = [None if p.tensor_dim is None else p.tensor_dim - 1 for p in stage_places[c.local]]
+            return CutArena(plan, dims + [p.tensor_dim for p in shared_places], self.tensor, cut_keys)
+
         # XLA's CPU compiler aborts promoting a 16-bit all-reduce that the partitioner gave a copy at
         # its reduction's root (jax 0.10.2, a tensor axis): there, the pipe sums run in float32.
         widen_sums = self.tensor > 1 and self.mesh.devices.flat[0].platform == "cpu"
@@ -618,13 +661,27 @@ class Pipeline:
                 for c in classes
             ]
 
-            def zeros_window(key, n):
+            def zeros_window(key, n, c):
+                if c > 1:
+                    return _vary(as_rows(jnp.zeros((c * n,), jnp.dtype(key[0])), c))
                 z = _vary(jnp.zeros((n,), jnp.dtype(key[0])))
                 return jax.device_put(z, jax.memory.Space.Host) if key[1] == "host" else z
 
+            def window_out(key, vec, w: int, cut: int):
+                """A forward's packed vector (None: it stashes nothing here) padded to the arena's
+                window, and its length (in rows when the arena is cut over ``tensor``)."""
+                if vec is None:
+                    return zeros_window(key, w, cut), _vary(jnp.zeros((), jnp.int32))
+                n = vec.shape[-1]  # a cut arena's rows come packed (CutArena.pack)
+                if n < w:
+                    vec = jnp.concatenate([vec, zeros_window(key, w - n, cut)], axis=-1)
+                    if cut > 1:
+                        vec = jax.lax.with_sharding_constraint(vec, P(TENSOR, None))
+                return _vary(vec), _vary(jnp.asarray(n, jnp.int32))
+
             def no_write():
                 return (
-                    tuple(zeros_window(k, w) for k, w in zip(keys, windows)),
+                    tuple(zeros_window(k, w, c) for k, w, c in zip(keys, windows, cuts)),
                     tuple(_vary(jnp.zeros((), jnp.int32)) for _ in keys),
                 )
 
@@ -654,38 +711,31 @@ class Pipeline:
 
             def make_branch(class_index: int, kind: Kind):
                 c, plan = classes[class_index], plans[class_index]
+                rows = stash_rows(plan.stash_elems, self.tensor)
+                arena = cut_arena(c, plan)
 
                 def branch(arenas, offs, grads, shared_grads, totals, x_in, g_in, micro):
                     params = device_params(c.local)
                     shared_in = shared_for(plan)
                     if kind is Kind.F:
-                        out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin)
-                        windows_out, lengths = [], []
-                        for key, w in zip(keys, windows):
-                            vec = packed.get(key)
-                            n = 0 if vec is None else vec.shape[0]
-                            zeros = jnp.zeros((w - n,), jnp.dtype(key[0]))
-                            if key[1] == "host":
-                                zeros = jax.device_put(zeros, jax.memory.Space.Host)
-                            windows_out.append(
-                                _vary(zeros)
-                                if vec is None
-                                else (vec if n == w else jnp.concatenate([vec, _vary(zeros)]))
-                            )
-                            lengths.append(_vary(jnp.asarray(n, jnp.int32)))
+                        pack = None if arena is None else functools.partial(arena.pack, pin=pin)
+                        out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin, pack=pack)
+                        written = [window_out(key, packed.get(key), w, cut) for key, w, cut in zip(keys, windows, cuts)]
+                        windows_out, lengths = (tuple(x) for x in zip(*written)) if written else ((), ())
                         if c.last and vocab_split is None:
                             loss_sum, weight = out
                             totals = (totals[0] + _vary(loss_sum), totals[1] + _vary(weight))
                             message = x_like
                         else:  # a split vocabulary's head takes the last stage's output after the switch
                             message = _vary_tree(out)
-                        return (message, tuple(windows_out), tuple(lengths), grads, shared_grads, totals)
+                        return (message, windows_out, lengths, grads, shared_grads, totals)
                     current = {
-                        key: jax.lax.dynamic_slice_in_dim(arena, off, plan.stash_elems[key])
-                        for key, arena, off in zip(keys, arenas, offs)
-                        if key in plan.stash_elems
+                        key: jax.lax.dynamic_slice_in_dim(buf, off, rows[key] if cut > 1 else n, axis=buf.ndim - 1)
+                        for key, buf, off, cut in zip(keys, arenas, offs, cuts)
+                        if (n := plan.stash_elems.get(key))
                     }
-                    pullback = plan.pullback(params, shared_in, x_like, micro, current, pin=pin)
+                    unpack = None if arena is None else arena.unpacker(pin)
+                    pullback = plan.pullback(params, shared_in, x_like, micro, current, pin=pin, unpack=unpack)
                     if c.last and vocab_split is None:
                         # Typed like the outputs (a constant weight varies over no mesh axis).
                         loss_aval, weight_aval = plan.out_avals
@@ -801,11 +851,10 @@ class Pipeline:
                 )
                 new_arenas = []
                 for arena, values, off, length in zip(arenas, windows_out, offs, lengths):
-                    lanes = jnp.arange(values.shape[0], dtype=jnp.int32)
-                    index = jnp.where(lanes < length, off + lanes, arena.shape[0])  # past the end: dropped
-                    new_arenas.append(
-                        arena.at[index].set(values, mode="drop", indices_are_sorted=True, unique_indices=True)
-                    )
+                    lanes = jnp.arange(values.shape[-1], dtype=jnp.int32)
+                    index = jnp.where(lanes < length, off + lanes, arena.shape[-1])  # past the end: dropped
+                    at = arena.at[index] if arena.ndim == 1 else arena.at[:, index]
+                    new_arenas.append(at.set(values, mode="drop", indices_are_sorted=True, unique_indices=True))
                 arenas = tuple(new_arenas)
                 if vocab_split is not None:
                     vocab_grads = embed_grads(vocab_grads, message, vocab_row[1])
@@ -822,8 +871,10 @@ class Pipeline:
                     grad_buf = write(grad_buf, incoming, row[grad_col])
                 return (act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals), None
 
-            def arena_buffer(key, length):
+            def arena_buffer(key, length, c):
                 dtype_name, space = key
+                if c > 1:
+                    return _vary(as_rows(jnp.zeros((c * length,), jnp.dtype(dtype_name)), c))
                 buf = _vary(jnp.zeros((length,), jnp.dtype(dtype_name)))
                 return jax.device_put(buf, jax.memory.Space.Host) if space == "host" else buf
 
@@ -833,7 +884,7 @@ class Pipeline:
             carry = (
                 message_buffer(tick.act_slots),
                 message_buffer(tick.grad_slots),
-                tuple(arena_buffer(k, n) for k, n in zip(keys, tick.arena_elems)),
+                tuple(arena_buffer(k, n, c) for k, n, c in zip(keys, tick.arena_elems, cuts)),
                 tuple(jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), t) for t in stage_params),
                 jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), shared),
                 jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), vocab),
@@ -910,6 +961,42 @@ class Pipeline:
             return loss, PipelineParams(stages=grads, shared=shared_grads, vocab=vocab_grads)
 
         return grad_fn
+
+
+@contextlib.contextmanager
+def _naming_batch_keys(model, micro: dict):
+    """A ``KeyError`` for a batch key the model reads and the batch lacks, raised from inside a trace
+    of the model's functions, as an error that names the key and the keys the batch has."""
+    try:
+        yield
+    except KeyError as e:
+        key = e.args[0] if e.args else None
+        if not isinstance(key, str) or key in micro:
+            raise
+        raise JaxmemError(
+            f"model {model.name} reads batch[{key!r}], which the batch does not have; it has "
+            f"{sorted(micro)}. Put {key!r} in every batch (an array leading with the batch size), or do "
+            "not read it in embed / call_layer / head_loss"
+        ) from e
+
+
+def _check_tokens(model, batch) -> None:
+    """Token ids at or past the model's vocabulary would look up nothing (a NaN loss, no error): refuse
+    them where the batch is concrete (traced batches are the caller's to check)."""
+    tokens = batch.get("tokens") if isinstance(batch, dict) else None
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is None or tokens is None or isinstance(tokens, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return
+    if not jnp.issubdtype(jnp.asarray(tokens).dtype, jnp.integer):
+        return
+    top, low = int(jnp.max(tokens)), int(jnp.min(tokens))
+    if top >= vocab or low < 0:
+        bad = top if top >= vocab else low
+        raise JaxmemError(
+            f"batch['tokens'] holds token id {bad}, outside model {model.name}'s vocabulary [0, {vocab}): "
+            "the lookup would give NaN, not an error. Tokenize with the model's tokenizer, or build the "
+            "model with a larger vocab_size"
+        )
 
 
 def _check_output(model, c: StageClass, plan: ResidualPlan, message, vocab: bool = False) -> None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var, jaxpr_as_fun
 
-__all__ = ["ResidualPlan", "analyze_stage", "emitted_tags"]
+__all__ = ["ResidualPlan", "analyze_stage", "emitted_tags", "flat_pack", "flat_unpack"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +90,11 @@ class ResidualPlan:
     def stashed_leaves(self) -> list[StashedLeaf]:
         return list(dict.fromkeys(src[1] for src in self.sources if src[0] == "stash"))
 
-    def forward(self, params, shared, x, batch, pin: Callable | None = None):
+    def forward(self, params, shared, x, batch, pin: Callable | None = None, pack: Callable | None = None):
         """Run the stage: returns ``(out, packed)``, packed = {(dtype, space): flat vector}. ``pin``:
-        applied to each stashed residual before it is flattened (the executor's sharding constraint)."""
+        applied to each stashed residual before it is flattened (the executor's sharding constraint).
+        ``pack``: ``pack(key, [(leaf, value), ...]) -> packed value`` in place of the flat vector
+        (the executor's layout of an arena cut over ``tensor``)."""
         flat = jax.tree.leaves(params) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         outs = jaxpr_as_fun(self.closed)(*flat)
         n_out = len(self.out_avals)
@@ -105,13 +107,16 @@ class ResidualPlan:
                 seen.add(leaf)
                 if leaf.space == "host" and leaf.memory_space != "host":
                     value = jax.device_put(value, jax.memory.Space.Host)
-                pieces[leaf.key].append(jnp.ravel(value if pin is None else pin(value)))
-        packed = {key: jnp.concatenate(parts) if len(parts) > 1 else parts[0] for key, parts in pieces.items()}
-        return out, packed
+                pieces[leaf.key].append((leaf, value))
+        pack = pack or (lambda key, parts: flat_pack(parts, pin))
+        return out, {key: pack(key, parts) for key, parts in pieces.items()}
 
-    def pullback(self, params, shared, x_like, batch, packed, pin: Callable | None = None) -> Callable:
+    def pullback(
+        self, params, shared, x_like, batch, packed, pin: Callable | None = None, unpack: Callable | None = None
+    ) -> Callable:
         """Rebuild the stage's pullback from parameters, the batch and a stash slot (``pin``: applied to
-        each residual as it is read back, as in :meth:`forward`)."""
+        each residual as it is read back, as in :meth:`forward`; ``unpack(leaf, packed[key])``: the
+        residual, in place of slicing the flat vector)."""
         param_leaves = jax.tree.leaves(params)
         shared_leaves = jax.tree.leaves(shared)
         batch_leaves = jax.tree.leaves(batch)
@@ -136,12 +141,24 @@ class ResidualPlan:
                 residuals.append(derived[i])
             else:
                 leaf = src[1]
-                value = jax.lax.slice_in_dim(packed[leaf.key], leaf.offset, leaf.offset + leaf.size)
-                value = value.reshape(leaf.shape) if pin is None else pin(value.reshape(leaf.shape))
+                value = (unpack or (lambda leaf, vec: flat_unpack(leaf, vec, pin)))(leaf, packed[leaf.key])
                 if leaf.space == "host" and leaf.memory_space != "host":
                     value = jax.device_put(value, jax.memory.Space.Device)
                 residuals.append(value)
         return jax.tree_util.tree_unflatten(self.treedef, residuals)
+
+
+def flat_pack(parts, pin: Callable | None = None):
+    """One buffer's stashed residuals ``[(leaf, value), ...]`` as one flat vector, in leaf order
+    (``pin``: applied to each value first)."""
+    flat = [jnp.ravel(value if pin is None else pin(value)) for _, value in parts]
+    return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+
+def flat_unpack(leaf: StashedLeaf, vec, pin: Callable | None = None):
+    """A residual read back from its buffer's flat vector (``pin``: applied to it)."""
+    value = jax.lax.slice_in_dim(vec, leaf.offset, leaf.offset + leaf.size).reshape(leaf.shape)
+    return value if pin is None else pin(value)
 
 
 def _memory_space(aval) -> str:

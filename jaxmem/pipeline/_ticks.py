@@ -20,7 +20,7 @@ import numpy as np
 from jaxmem.layout import assign_offsets
 from jaxmem.schedule import Kind, Schedule, ScheduleError, lockstep_ticks, validate
 
-__all__ = ["StageClass", "TickProgram", "build_tick_program"]
+__all__ = ["StageClass", "TickProgram", "build_tick_program", "stash_cut", "stash_rows"]
 
 KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
 
@@ -135,6 +135,19 @@ def cell_classes(
         return made[(s, variant)]
 
     return {(s, m): of(s, policy.variant_of[(s, m)]) for s in range(S) for m in range(schedule.num_microbatches)}
+
+
+def stash_cut(key: tuple[str, str], tensor: int) -> int:
+    """Over how many tensor devices a stash arena is cut: device arenas over all of them (each keeps
+    its share of every stashed vector, gathered back for the backward), host arenas not at all."""
+    return tensor if key[1] == "device" else 1
+
+
+def stash_rows(stash_elems: dict[tuple[str, str], int], tensor: int = 1) -> dict[tuple[str, str], int]:
+    """Per arena, the elements one stage-microbatch stashes on each device: a vector of ``n`` elements
+    cut over ``c`` tensor devices takes ``ceil(n / c)`` on each (the last share zero-padded). The
+    tick program lays the arenas out in these per-device units."""
+    return {key: -(-n // stash_cut(key, tensor)) for key, n in stash_elems.items()}
 
 
 def _color_intervals(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:

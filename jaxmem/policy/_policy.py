@@ -489,13 +489,19 @@ def _tag_decisions(table: Mapping, where: str, reserved=()) -> dict:
     return decisions
 
 
-def _stage_policy_from(value, where: str) -> StagePolicy:
+def _stage_policy_from(value, where: str, enclosing: StagePolicy | None = None) -> StagePolicy:
+    """A stage policy from a preset name or a table. A table without its own ``base`` builds on the
+    enclosing table's policy (its base, tag decisions and flags; save-all at the top level); one with a
+    ``base`` starts again from that preset."""
     if isinstance(value, StagePolicy):
         return value
     if isinstance(value, str):
         return _preset(value, where)
     if isinstance(value, Mapping):
-        sp = _preset(value.get("base", "save-all"), where)
+        if "base" in value or enclosing is None:
+            sp = _preset(value.get("base", "save-all"), where)
+        else:
+            sp = enclosing
         decisions = dict(value.get("tags", {}))
         decisions.update(_tag_decisions(value, where))
         sp = sp.with_decisions(decisions)
@@ -519,7 +525,10 @@ def from_spec(spec) -> Policy:
         [stage.1.microbatch.warmup]        # stage 1's warmup microbatches only
         base = "recompute-all"
 
-    Tag names are checked against the model's declared tags when the policy is resolved.
+    A table without its own ``base`` builds on the table around it: ``[stage.1]`` with only
+    ``mlp_hidden = "offload"`` is the top-level policy (here selective, attention probabilities
+    offloaded) with that one decision added; ``base = ...`` starts again from that preset. Tag names
+    are checked against the model's declared tags when the policy is resolved.
 
     >>> from_spec("recompute-all").default.base
     'recompute-all'
@@ -553,12 +562,14 @@ def from_spec(spec) -> Policy:
                 raise PolicyError(f"policy: [stage.{key}] is not a stage number") from None
             value = dict(value) if isinstance(value, Mapping) else value
             per_mb = value.pop("microbatch", {}) if isinstance(value, dict) else {}
+            own = default
             if not isinstance(value, dict) or value:
-                stages.append((stage, _stage_policy_from(value, f"stage {stage}")))
+                own = _stage_policy_from(value, f"stage {stage}", default)
+                stages.append((stage, own))
             for cls, sub in per_mb.items():
-                stage_mb.append((stage, cls, _stage_policy_from(sub, f"stage {stage}, microbatch {cls}")))
+                stage_mb.append((stage, cls, _stage_policy_from(sub, f"stage {stage}, microbatch {cls}", own)))
         for cls, value in dict(spec.get("microbatch", {})).items():
-            micro.append((cls, _stage_policy_from(value, f"microbatch {cls}")))
+            micro.append((cls, _stage_policy_from(value, f"microbatch {cls}", default)))
         return Policy(
             default=default,
             stages=tuple(sorted(stages, key=lambda x: x[0])),

@@ -175,7 +175,7 @@ class AdaptiveProfiler:
 
         self.base = pipeline
         self.build_step = build_step
-        self.batch_sharding = batch_sharding or NamedSharding(pipeline.mesh, P("data"))
+        self.batch_sharding = batch_sharding or NamedSharding(pipeline.mesh, P(("data", "fsdp")))
         self.budget = float(budget_bytes)
         if policies is None:
             policies = CPU_LADDER if jax.devices()[0].platform == "cpu" else LADDER
@@ -223,17 +223,7 @@ class AdaptiveProfiler:
 
     # ----------------------------------------------------------------- profiling
     def _pipeline(self, policy: str, drop_layers):
-        from jaxmem.pipeline import Pipeline
-
-        base = self.base
-        return Pipeline(
-            base.model,
-            base.schedule,
-            base.mesh,
-            layer_counts=base.layer_counts,
-            policy=policy,
-            drop_layers=drop_layers,
-        )
+        return self.base.with_policy(policy, drop_layers)
 
     def predict(self, policy: str, batch: int, seq: int, drop_layers) -> tuple[float, float, float]:
         """(predicted device bytes, expected step seconds, simulated step seconds) of a policy, without
@@ -248,6 +238,10 @@ class AdaptiveProfiler:
             batch=batch,
             seq=seq,
             data_parallel=base.data,
+            fsdp=base.fsdp,
+            tensor=base.tensor,
+            zero=base.zero,
+            vocab_parallel=base.vocab is not None,
             layer_counts=base.layer_counts,
             drop_layers=drop_layers,
             hardware=self.hardware,

@@ -26,7 +26,8 @@ def draw(
     the boxes, the stage number too when a rank holds several, a paler shade for a rank's second
     stage) with each rank's live activations plotted under its row, on one scale for all ranks (MiB
     when the costs carry activation bytes, else microbatches). The figure is about twice as wide as
-    high whatever the schedule's length; boxes too narrow for their label go unlabelled. The format
+    high whatever the schedule's length; a box too narrow for its label across shows it upright, and
+    one too narrow for that too goes unlabelled. The format
     follows the suffix: ``.png``, ``.svg`` or ``.pdf`` (an SVG keeps its text as text).
 
     Args:
@@ -57,7 +58,7 @@ def draw(
     peaks = result.peak_activation_bytes if in_bytes else result.peak_inflight
     peak = max(max(peaks) / scale, 1e-9)
     # About 2:1 whatever the schedule's length: long schedules get narrower boxes, and a box whose
-    # label would not fit shows no label (its neighbours' labels and the legend still tell it).
+    # label would not fit either way shows no label (its neighbours' labels and the legend still tell it).
     height = min(2.0 + 1.25 * ranks, 11.0)
     width = min(max(2.0 * height, 8.0), 20.0)
     fig, axes = plt.subplots(
@@ -70,6 +71,9 @@ def draw(
     makespan = result.makespan or 1.0
     points_per_time = 72.0 * width * 0.85 / makespan
     fontsize = 7
+    # A box's height in points: the rows share the figure's height (about 0.8 of it, less the gaps)
+    # in their ratios, a box 0.8 of its row.
+    box_height = 72.0 * height * 0.8 / (1.6 * ranks + 0.1 * (2 * ranks - 1)) * 0.8
     for rank in range(ranks):
         gantt, curve = axes[2 * rank], axes[2 * rank + 1]
         for action in sched.actions(rank):
@@ -86,8 +90,14 @@ def draw(
                 linewidth=0.3,
             )
             label = f"{action.stage}:{action.microbatch}" if multi else str(action.microbatch)
-            if (end - begin) * points_per_time >= 0.62 * fontsize * len(label) + 2:
+            box = (end - begin) * points_per_time
+            if box >= 0.62 * fontsize * len(label) + 2:
                 gantt.text((begin + end) / 2, 0, label, ha="center", va="center", fontsize=fontsize, color="white")
+            elif box >= fontsize + 2 and box_height >= 0.62 * fontsize * len(label) + 2:
+                # Too narrow across, tall enough upright (chronos' half-length boxes, long schedules).
+                gantt.text(
+                    (begin + end) / 2, 0, label, ha="center", va="center", fontsize=fontsize, color="white", rotation=90
+                )
         gantt.set_yticks([0])
         gantt.set_yticklabels([f"rank {rank}"])
         gantt.set_ylim(-0.5, 0.5)

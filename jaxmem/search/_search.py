@@ -15,7 +15,16 @@ import math
 from jaxmem._errors import JaxmemError
 from jaxmem._util import human_bytes
 
-__all__ = ["Candidate", "SearchError", "SearchResult", "candidate_schedules", "chronos_moves", "evaluate", "search"]
+__all__ = [
+    "Candidate",
+    "SearchError",
+    "SearchResult",
+    "candidate_schedules",
+    "chronos_moves",
+    "evaluate",
+    "search",
+    "tensor_sizes",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "chronos")
 POLICIES = ("save-all", "selective", "recompute-all", "chronos-recomp", "chronos-offload", "chronos-both")
@@ -40,6 +49,7 @@ class Candidate:
     microbatches: int
     policy_name: str
     fsdp: int = dataclasses.field(default=1, kw_only=True)
+    tensor: int = dataclasses.field(default=1, kw_only=True)
     policy: object = dataclasses.field(repr=False, compare=False)
     device_bytes: float = 0.0
     host_bytes: float = 0.0
@@ -55,6 +65,7 @@ class Candidate:
             "pipe": self.pipe,
             "data": self.data,
             "fsdp": self.fsdp,
+            "tensor": self.tensor,
             "microbatches": self.microbatches,
             "policy": self.policy_name,
             "device_bytes": int(self.device_bytes),
@@ -87,7 +98,11 @@ class SearchResult:
 
     def explain(self, top: int = 5) -> list[str]:
         def mesh(c):
-            return f"P={c.pipe} D={c.data}" + (f" F={c.fsdp}" if c.fsdp > 1 else "")
+            return (
+                f"P={c.pipe} D={c.data}"
+                + (f" F={c.fsdp}" if c.fsdp > 1 else "")
+                + (f" T={c.tensor}" if c.tensor > 1 else "")
+            )
 
         lines = []
         if self.best is None:
@@ -192,12 +207,13 @@ def evaluate(
     hardware,
     layer_counts=None,
     fsdp: int = 1,
+    tensor: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
 ) -> Candidate:
     """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``chronos-*`` policies are
-    generated for the budget first (Chronos-Recomp/Offload). ``fsdp``, ``zero``, ``vocab_parallel``:
-    how the static state is sharded (:class:`~jaxmem.pipeline.Pipeline`)."""
+    generated for the budget first (Chronos-Recomp/Offload). ``fsdp``, ``tensor``, ``zero``,
+    ``vocab_parallel``: how the state and the math are cut (:class:`~jaxmem.pipeline.Pipeline`)."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
     from jaxmem.pipeline import split_layers
@@ -214,6 +230,7 @@ def evaluate(
         seq=seq,
         data_parallel=data,
         fsdp=fsdp,
+        tensor=tensor,
         zero=zero,
         vocab_parallel=vocab_parallel,
         layer_counts=counts,
@@ -285,6 +302,7 @@ def evaluate(
         pipe=schedule.num_ranks,
         data=data,
         fsdp=fsdp,
+        tensor=tensor,
         microbatches=schedule.num_microbatches,
         policy_name=policy_name,
         policy=policy,
@@ -297,45 +315,74 @@ def evaluate(
     )
 
 
+def tensor_sizes(model, devices: int) -> list[int]:
+    """The tensor splits worth searching for ``devices`` devices per pipe rank: 1, and 2, 4 and 8
+    where they divide them and the model annotates what a tensor axis cuts (one node's fast link
+    holds 8 devices on the profiles)."""
+    if model.axes is None:
+        return [1]
+    return [t for t in (1, 2, 4, 8) if devices % t == 0]
+
+
 def candidate_schedules(
-    model, devices: int, batch: int, schedules=SCHEDULES, pipes=None, microbatches=None, fsdp: bool = True
+    model,
+    devices: int,
+    batch: int,
+    schedules=SCHEDULES,
+    pipes=None,
+    microbatches=None,
+    fsdp: bool = True,
+    tensors=None,
+    mesh: dict | None = None,
 ):
-    """``(schedule, data, fsdp)`` the search considers: pipe sizes dividing the devices, the replicas
-    that leaves either all data-parallel (ZeRO) or all FSDP, stage counts dividing the layers,
-    microbatch counts dividing the per-replica batch; and, with ``fsdp``, the FSDP-only layout with no
-    pipeline -- one rank whose stages are the FSDP units (interleaved-1f1b with P=1, a layer or two a
-    stage), gathered one at a time."""
+    """``(schedule, data, fsdp, tensor)`` the search considers: pipe sizes dividing the devices, a
+    tensor split of each pipe rank's devices (:func:`tensor_sizes`, or ``tensors``), the replicas that
+    leaves either all data-parallel (ZeRO) or, without a tensor split, all FSDP; stage counts dividing
+    the layers, microbatch counts dividing the per-replica batch; and, with ``fsdp``, the FSDP-only
+    layout with no pipeline -- one rank whose stages are the FSDP units (interleaved-1f1b with P=1, a
+    layer or two a stage), gathered one at a time. ``mesh`` (``{"data", "fsdp", "pipe", "tensor"}``):
+    that layout only."""
     from jaxmem.schedule import ScheduleError, generate
 
     out = []
-    pipe_sizes = pipes or [p for p in _divisors(devices) if p > 1] or [1]
+    if mesh is not None:
+        pipe_sizes = [mesh["pipe"]]
+    else:
+        pipe_sizes = pipes or [p for p in _divisors(devices) if p > 1] or [1]
     for pipe in pipe_sizes:
-        replicas = devices // pipe
-        if batch % replicas:
+        if devices % pipe:
             continue
-        local = batch // replicas
-        ms = microbatches or sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe) if local % m == 0})
-        splits = [(replicas, 1)] + ([(1, replicas)] if fsdp and replicas > 1 else [])
-        for name in schedules:
-            virtual = 2 if name in ("interleaved-1f1b",) else None
-            stages = pipe * (2 if name in ("interleaved-1f1b", "zbv", "chronos", "v-half", "v-min") else 1)
-            if model.n_layers % stages or (pipe == 1 and name != "gpipe"):
+        sizes = [mesh["tensor"]] if mesh is not None else tensors or tensor_sizes(model, devices // pipe)
+        for tensor in sizes:
+            replicas = devices // (pipe * tensor)
+            if devices % (pipe * tensor) or batch % replicas:
                 continue
-            for m in ms:
-                if local % m:
+            local = batch // replicas
+            ms = microbatches or sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe) if local % m == 0})
+            if mesh is not None:
+                splits = [(mesh["data"], mesh["fsdp"])]
+            else:
+                splits = [(replicas, 1)] + ([(1, replicas)] if fsdp and replicas > 1 and tensor == 1 else [])
+            for name in schedules:
+                virtual = 2 if name in ("interleaved-1f1b",) else None
+                stages = pipe * (2 if name in ("interleaved-1f1b", "zbv", "chronos", "v-half", "v-min") else 1)
+                if model.n_layers % stages or (pipe == 1 and name != "gpipe"):
                     continue
-                try:
-                    schedule = generate(name, pipe, m, virtual)
-                except ScheduleError:
-                    continue
-                out += [(schedule, d, f) for d, f in splits]
-    if fsdp and devices > 1 and not pipes and batch % devices == 0:
+                for m in ms:
+                    if local % m:
+                        continue
+                    try:
+                        schedule = generate(name, pipe, m, virtual)
+                    except ScheduleError:
+                        continue
+                    out += [(schedule, d, f, tensor) for d, f in splits]
+    if fsdp and devices > 1 and not pipes and mesh is None and batch % devices == 0:
         local = batch // devices
         for per_stage in (1, 2):
             if model.n_layers % per_stage:
                 continue
             for m in sorted({m for m in (1, 2, 4) if local % m == 0}):
-                out.append((generate("interleaved-1f1b", 1, m, model.n_layers // per_stage), 1, devices))
+                out.append((generate("interleaved-1f1b", 1, m, model.n_layers // per_stage), 1, devices, 1))
     return out
 
 
@@ -353,18 +400,24 @@ def search(
     microbatches=None,
     progress=None,
     fsdp: bool = True,
+    tensors=None,
+    mesh: dict | None = None,
     zero: bool = True,
     vocab_parallel: bool | None = None,
 ) -> SearchResult:
-    """Search pipeline sizes x data/fsdp splits x schedules x microbatches x policies, and the
-    FSDP-only layout; the fastest simulated candidate that fits wins. ``fsdp=False`` leaves the
-    fsdp splits out; ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`."""
+    """Search pipeline sizes x tensor splits x data/fsdp splits x schedules x microbatches x
+    policies, and the FSDP-only layout; the fastest simulated candidate that fits wins. ``fsdp=False``
+    leaves the fsdp splits out; ``tensors``: the tensor splits to try (default
+    :func:`tensor_sizes`); ``mesh``: one layout only (``{"data", "fsdp", "pipe", "tensor"}``, its
+    product the devices); ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`."""
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
 
     model = get_model(model)
     hw = get_hardware(hardware)
-    pairs = candidate_schedules(model, devices, batch, schedules, pipes, microbatches, fsdp=fsdp)
+    pairs = candidate_schedules(
+        model, devices, batch, schedules, pipes, microbatches, fsdp=fsdp, tensors=tensors, mesh=mesh
+    )
     if not pairs:
         raise JaxmemError(
             f"no schedule fits {devices} devices, {model.n_layers} layers and batch {batch}: the pipeline "
@@ -372,7 +425,7 @@ def search(
             "data x microbatches"
         )
     candidates = []
-    for i, (schedule, data, fsdp_size) in enumerate(pairs):
+    for i, (schedule, data, fsdp_size, tensor) in enumerate(pairs):
         if progress:
             progress(i, len(pairs), schedule)
         seen = {}
@@ -386,6 +439,7 @@ def search(
                 seq=seq,
                 data=data,
                 fsdp=fsdp_size,
+                tensor=tensor,
                 zero=zero,
                 vocab_parallel=vocab_parallel,
                 hardware=hw,

@@ -4,17 +4,23 @@ elastic layer) heartbeats and injected failures. A hook is an object with any of
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from jaxmem.data import Batch, BPETokenizer
 from jaxmem.train._checkpoint import Checkpointer, CheckpointError
 from jaxmem.train._state import TrainState
 
-__all__ = ["CheckpointHook", "Hook", "SampleLogHook", "StepInfo"]
+__all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_WINDOW", "CheckpointHook", "Hook", "SampleLogHook", "StepInfo"]
+
+# The divergence guard of CheckpointHook: a loss over FACTOR x the median of the last WINDOW losses.
+DIVERGENCE_FACTOR = 10.0
+DIVERGENCE_WINDOW = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +70,15 @@ class CheckpointHook(Hook):
     every ``every`` steps and at the end. The state is saved in the model's layout, so any mesh
     restores it.
 
+    A divergence guard keeps a diverged state out of the checkpoints: a step whose loss is more than
+    ``divergence`` times the median of the last :data:`DIVERGENCE_WINDOW` losses (once that many are
+    seen) is not saved, when due or at the end, and the log says so; the saves resume once the loss
+    is back under it. Training itself goes on (a spike may pass); a resume starts from the last
+    saved, undiverged step. ``divergence=None`` turns the guard off.
+
     Attributes:
         resumed_from: the step restored at start, or None.
+        skipped: the steps not saved because their loss had diverged.
     """
 
     def __init__(
@@ -76,11 +89,33 @@ class CheckpointHook(Hook):
         keep: int = 3,
         restore_step: int | None = None,
         log: Callable[[str], None] | None = None,
+        divergence: float | None = DIVERGENCE_FACTOR,
     ):
         self.log = log or (lambda line: None)
         self.checkpointer = Checkpointer(directory, every=every, keep=keep, log=self.log)
         self.restore_step = restore_step
         self.resumed_from: int | None = None
+        self.divergence = divergence
+        self.skipped: list[int] = []
+        self._losses: collections.deque = collections.deque(maxlen=DIVERGENCE_WINDOW)
+        self._diverged = False  # the last step's loss
+
+    def _check_divergence(self, step: int, loss: float) -> None:
+        recent = self._losses
+        if self.divergence is not None and len(recent) == recent.maxlen:
+            median = float(np.median(recent))
+            diverged = median > 0 and loss > self.divergence * median
+            if diverged and not self._diverged:
+                self.log(
+                    f"step {step}: loss {loss:.4g} is over {self.divergence:g}x the median {median:.4g} of the last "
+                    f"{len(recent)} steps: its state is not checkpointed until the loss comes back (the last saved "
+                    f"step, {self.checkpointer.latest_step()}, stays the one to resume from)"
+                )
+            elif self._diverged and not diverged:
+                self.log(f"step {step}: loss {loss:.4g} is back under {self.divergence:g}x the median; saving again")
+            self._diverged = diverged
+        if not self._diverged:
+            recent.append(loss)  # a spike does not raise the median it is judged by
 
     def on_start(self, trainer, state):
         checkpointer = self.checkpointer
@@ -99,7 +134,11 @@ class CheckpointHook(Hook):
     def on_step(self, trainer, state, info):
         try:
             self.checkpointer.poll()  # a background save that failed stops the run now, not a save later
+            self._check_divergence(state.step, info.loss)
             if self.checkpointer.should_save(state.step):
+                if self._diverged:
+                    self.skipped.append(state.step)
+                    return
                 exported, meta = trainer.export_state(state)
                 self.checkpointer.save(state.step, exported, meta)
         except CheckpointError:
@@ -109,7 +148,13 @@ class CheckpointHook(Hook):
     def on_end(self, trainer, state):
         checkpointer = self.checkpointer
         checkpointer.wait()  # a save of this very step may still be in flight
-        if checkpointer.latest_step() != state.step:
+        if self._diverged:
+            self.skipped.append(state.step)
+            self.log(
+                f"the run ends with its loss diverged: step {state.step} is not saved; resume from step "
+                f"{checkpointer.latest_step()} (lower --lr or add --grad-clip)"
+            )
+        elif checkpointer.latest_step() != state.step:
             exported, meta = trainer.export_state(state)
             checkpointer.save(state.step, exported, meta, force=True)
         checkpointer.close()

@@ -35,8 +35,20 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
 
     name = _hardware_name(config)
     devices = config.devices or config.num_devices
+    model = config.build_model()
+    # Before the search and the CPU's calibration: the parameters, their gradients and Adam's two
+    # moments, spread perfectly over every device, are a floor no plan goes under.
+    param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.abstract_params()))
+    floor = 4 * param_bytes / devices
+    if config.budget < floor:
+        raise SearchError(
+            f"nothing fits a budget of {human_bytes(config.budget)} per device on {devices} devices: the "
+            f"parameters, gradients and optimizer state alone take {human_bytes(4 * param_bytes)}, at least "
+            f"{human_bytes(floor)} per device however they are cut (pass a larger --budget, or more devices)",
+            floor,
+        )
     result = search(
-        config.build_model(),
+        model,
         devices=devices,
         budget_bytes=config.budget,
         hardware=get_hardware(name),
@@ -63,6 +75,7 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         stages=best.pipe,
         data_parallel=best.data,
         fsdp=best.fsdp,
+        tensor=best.tensor,
         microbatches=best.microbatches,
         virtual=best.virtual if best.schedule == "interleaved-1f1b" else None,
         policy=best.policy,
@@ -166,6 +179,16 @@ class _StopRequests:
             log(f"{self.reason}: stopping after step {step}/{config.steps}, {saved}")
 
 
+def _selective_without_quadratic(config: TrainConfig, model) -> bool:
+    """Whether the policy asks for selective recompute somewhere of a model with nothing it would
+    recompute (no ``quadratic`` tag group)."""
+    from jaxmem.policy import from_spec
+
+    policy = from_spec(config.policy)
+    parts = [policy.default, *(p for *_, p in (*policy.stages, *policy.microbatch, *policy.stage_microbatch))]
+    return any(p.base == "selective" for p in parts) and not model.tags.group("quadratic")
+
+
 def _console_log(progress: bool):
     """The run's stderr console and a ``log(line)`` printing plain lines to it (silent without
     ``progress``)."""
@@ -235,6 +258,12 @@ def train(
         return train_adaptive(config, progress=progress, hooks=hooks)
     trainer = trainer or Trainer(config)
     config = trainer.config  # with the data's vocabulary
+    if _selective_without_quadratic(config, trainer.model):
+        log(
+            f"note: model {trainer.model.name} declares no 'quadratic' tag group, so selective recompute keeps "
+            "every tag (as save-all does); name the tensors to recompute in its TagSet's groups, e.g. "
+            "groups={'quadratic': ('attn_probs',)}"
+        )
     hooks = [*default_hooks(config, log), *hooks]
     metrics_hook = None
     if config.run_dir:
@@ -313,8 +342,8 @@ def train(
                 on_step(state, loss_value)
             if plan_check is None and len(step_times) == 3:
                 plan_check = _check_plan(plan_record, step_times, log)
-            elapsed = time.perf_counter() - run_start
-            rate = tokens_per_step * (len(losses) - 1) / max(elapsed, 1e-9)
+            # The training steps' own rate, as --run-dir metrics give it (evaluation and saves excluded).
+            rate = tokens_per_step * len(step_times) / max(sum(step_times), 1e-9)
             text = f"loss {loss_value:.3f}  {rate:,.0f} tok/s"
             if "eval_loss" in values:
                 text += f"  eval {values['eval_loss']:.3f}"

@@ -1,0 +1,64 @@
+"""README figures that cite a benchmark record agree with the record (rounded as the README rounds
+them): a rerun benchmark whose record changes fails here until the README says the same."""
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+README = " ".join((ROOT / "README.md").read_text().split())
+
+
+def _record(name):
+    return json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+
+
+def _graph(record, prefix):
+    (graph,) = [g for g in record["graphs"] if g["name"].startswith(prefix)]
+    return graph
+
+
+def test_the_roam_section_matches_its_record():
+    roam = _record("roam.json")
+    gb = 1e9
+    for prefix, label in (("gpt2-small accumulated", "39.3% (gpt2-small, "), ("gpt2-small chunked", "18.7% (")):
+        g = _graph(roam, prefix)
+        said = f"{label}{g['program_order_peak_bytes'] / gb:.1f} -> {g['planned_peak_bytes'] / gb:.1f} GB)"
+        assert said in README, said
+    for prefix, gain in (("gpt2-small accumulated", "39.3%"), ("gpt2-small chunked", "18.7%")):
+        (value,) = [v for k, v in roam["order_gain"].items() if k.startswith(prefix)]
+        assert f"{100 * value:.1f}%" == gain
+    medium = roam["medium_random"]
+    ratios = [m["planner_over_ilp_best"] for m in medium if m["planner_over_ilp_best"] is not None]
+    none = sum(m["ilp_best_bytes"] is None for m in medium)
+    assert f"(planner / ILP best {min(ratios):.2f}-{max(ratios):.2f}) or none ({none} of {len(medium)})" in README
+    bounds = [m["ilp_lower_bound_bytes"] / 1e6 for m in medium if m["ilp_lower_bound_bytes"]]
+    assert f"lower bounds ({min(bounds):.0f}-{max(bounds):.0f} MB)" in README
+    random = [v for k, v in roam["layout_gain"].items() if k.startswith("random")]
+    steps = [v for k, v in roam["layout_gain"].items() if not k.startswith("random")]
+    said = f"{100 * min(steps):.1f}-{100 * max(steps):.1f}% on the train steps, {100 * min(random):.1f}-"
+    assert said + f"{100 * max(random):.1f}% on random DAGs" in README
+    seconds = [m["planner_seconds"] for m in medium]
+    assert re.search(rf"planner's {min(seconds):.2f}-{max(seconds):.1f} s", README)
+    assert f"1/{round(roam['small_random_ilp_over_planner_time'], -1):.0f} of its time" in README
+
+
+def test_the_sharded_state_figures_match_their_record():
+    rows = {r["layout"]: r for r in _record("sharded_state.json")["rows"]}
+    mib = 2**20
+
+    def static(name):
+        return f"{rows[name]['compiled_static_bytes'] / mib:.1f} MiB"
+
+    def step(name):
+        return f"{rows[name]['compiled_device_bytes'] / mib:.1f}"
+
+    said = (
+        f"static bytes per device {static('whole')} before",
+        f"and {static('sharded')} now",
+        f"{static('fsdp')} as P=2 x F=2",
+        f"{static('tensor')} as P=2 x D=2 x T=2",
+        f"the whole compiled step {step('whole')} -> {step('sharded')} MiB per device, and {step('tensor')} MiB",
+    )
+    for text in said:
+        assert text in README, text
