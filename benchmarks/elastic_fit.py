@@ -7,7 +7,7 @@ not see.
 With one process per rank exchanging over gloo, ``jaxmem.elastic.choose_recovery`` predicts a
 configuration's step as the shared-core lockstep model of ``jaxmem.memory`` (the one ``--plan auto``
 uses, here with ``jaxmem.memory.CPU_LOCKSTEP_PROCESSES``) times ``(processes / cores) **
-OVERSUBSCRIPTION`` when there are more processes than cores:
+oversubscription`` (that Lockstep field) when there are more processes than cores:
 
     ((step_flops + ticks x tick_flops) / rate + even + imbalance x excess) x oversubscription
 
@@ -50,8 +50,8 @@ from elastic import launch  # noqa: E402
 from plan_ranking import measure_rounds, predict, spearman, terms, write_record  # noqa: E402
 
 from jaxmem.config import TrainConfig  # noqa: E402
-from jaxmem.elastic import _recovery as recovery  # noqa: E402
 from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, get_hardware  # noqa: E402
+from jaxmem.pipeline import balanced_layers  # noqa: E402
 
 # (model, processes, devices per process, pipe P, data D, microbatches M); 1F1B, batch 32 x 64.
 # The first of each model is its "pre-failure" configuration for the calibrated error.
@@ -92,7 +92,7 @@ def config_of(model, nprocs, per_proc, pipe, data, microbatches) -> TrainConfig:
     layers = TrainConfig(model=model).build_model().n_layers
     return TrainConfig(
         model=model,
-        layers_per_stage=None if layers % pipe == 0 else recovery._balanced(layers, pipe),
+        layers_per_stage=None if layers % pipe == 0 else balanced_layers(layers, pipe),
         stages=pipe,
         data_parallel=data,
         microbatches=microbatches,
@@ -134,6 +134,12 @@ def group_of(row) -> tuple:
     return row["spec"][0], row["spec"][5]
 
 
+def oversubscribed(hardware, processes: int, exponent: float) -> float:
+    """The profile's slowdown of ``processes`` on its cores, for a trial ``exponent``."""
+    lockstep = dataclasses.replace(CPU_LOCKSTEP_PROCESSES, oversubscription=exponent)
+    return dataclasses.replace(hardware, processes=processes, lockstep=lockstep).oversubscribed
+
+
 def fit(rows, hardware) -> tuple[float, float, float, float]:
     """The four constants, fitted on what the planner uses: ratios of step times within a group
     (:func:`group_of`). For each oversubscription exponent on a grid, bounded least squares of the
@@ -141,14 +147,14 @@ def fit(rows, hardware) -> tuple[float, float, float, float]:
     least squared error wins."""
     from scipy.optimize import least_squares
 
-    rate, cores = hardware.flops_per_second, hardware.cores
+    rate = hardware.flops_per_second
     t = np.array([terms(config_of(*r["spec"]), hardware, 0.0) for r in rows])
     ticks, even, excess = t[:, 0], t[:, 1], t[:, 2]
     groups = [group_of(r) for r in rows]
     members = [np.array([g == h for h in groups]) for g in sorted(set(groups))]
     best = None
     for exponent in np.linspace(0.0, 1.0, 21):
-        slowdown = [recovery._oversubscription(r["spec"][1], cores, exponent) for r in rows]
+        slowdown = [oversubscribed(hardware, r["spec"][1], exponent) for r in rows]
         log_measured = np.log([r["measured_seconds"] for r in rows]) - np.log(slowdown)
 
         def residuals(x, log_measured=log_measured):
@@ -171,11 +177,11 @@ def evaluate(rows, hardware, constants, references=()) -> dict:
     """Errors of ``constants`` on ``rows``: absolute (at the record's rate) and calibrated as the planner
     calibrates -- by the measured step of the group's first run in ``references`` + ``rows``."""
     *lockstep, exponent = constants
-    rate, cores = hardware.flops_per_second, hardware.cores
+    rate = hardware.flops_per_second
 
     def predicted_seconds(r):
         t = terms(config_of(*r["spec"]), hardware, 0.0)
-        return predict(t, rate, *lockstep) * recovery._oversubscription(r["spec"][1], cores, exponent)
+        return predict(t, rate, *lockstep) * oversubscribed(hardware, r["spec"][1], exponent)
 
     predicted = [predicted_seconds(r) for r in rows]
     measured = [r["measured_seconds"] for r in rows]
@@ -244,7 +250,7 @@ def main(argv=None):
         CPU_LOCKSTEP_PROCESSES.step_flops,
         CPU_LOCKSTEP_PROCESSES.tick_flops,
         CPU_LOCKSTEP_PROCESSES.imbalance,
-        recovery.OVERSUBSCRIPTION,
+        CPU_LOCKSTEP_PROCESSES.oversubscription,
     )
     record = {
         "benchmark": "elastic_fit",
@@ -265,8 +271,8 @@ def main(argv=None):
     if not write_record(record, args.out, args.json):
         step, tick, imbalance, exponent = fitted
         print(
-            f"fitted: Lockstep(step_flops={step:.3g}, tick_flops={tick:.3g}, imbalance={imbalance:.2f}), "
-            f"OVERSUBSCRIPTION={exponent:.2f}"
+            f"fitted: Lockstep(step_flops={step:.3g}, tick_flops={tick:.3g}, imbalance={imbalance:.2f}, "
+            f"oversubscription={exponent:.2f})"
         )
         for group, group_rows in (("fit", fit_rows), ("holdout", hold_rows)):
             r = record[f"{group}_with_shipped"]

@@ -156,3 +156,25 @@ def die_with_launcher(environ=None) -> None:
         return  # not Linux: the launcher's own signal handlers stop its workers
     if os.getppid() != int(launcher):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a pytree's arrays (or shaped values: anything with ``shape`` and ``dtype``)."""
+    import math
+
+    import jax
+    import numpy as np
+
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def compiled_bytes(compiled) -> int:
+    """Device bytes of a compiled program: ``memory_analysis()``'s arguments + temporaries + outputs,
+    less what outputs alias from arguments (the ledger's, the profiler's and ROAM's one figure)."""
+    analysis = compiled.memory_analysis()
+    return int(
+        analysis.argument_size_in_bytes
+        + analysis.temp_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )

@@ -8,8 +8,13 @@ import math
 from jaxmem._errors import JaxmemError
 from jaxmem._util import load_toml, parse_bytes, parse_int_list
 from jaxmem.schedule import Schedule, generate, load_csv, validate
+from jaxmem.search import CHRONOS_MOVES
 
-__all__ = ["TrainConfig", "add_arguments", "from_args", "parse_mesh", "parse_train_args"]
+__all__ = ["GENERATED_POLICIES", "TrainConfig", "add_arguments", "from_args", "parse_mesh", "parse_train_args"]
+
+# Policy names made for a run's layout under a budget (Chronos-Recomp / -Offload / both; see
+# jaxmem.search.evaluate), accepted by --policy beside the presets.
+GENERATED_POLICIES = tuple(CHRONOS_MOVES)
 
 # Integer settings and their least value; the optional ones may also be None.
 _INTEGER_FIELDS = {
@@ -47,6 +52,8 @@ class TrainConfig:
             keeps the model's.
         param_dtype: dtype of its parameters, gradients and optimizer state (``float32`` master
             weights by default); None keeps the model's.
+        attention: a preset or config model's attention, ``materialized`` or ``fused`` (see
+            :func:`~jaxmem.models.fused_attention`); None keeps the model's.
         schedule: schedule name, or None when ``schedule_csv`` is given.
         schedule_csv: a schedule table to run instead of a generated one.
         stages: pipeline ranks P.
@@ -90,12 +97,16 @@ class TrainConfig:
         log_every: a plain progress line every N steps when stderr is not a terminal (and a metrics
             record every N steps).
         layers_per_stage: explicit layers per stage (balanced when None).
-        policy: memory policy spec (see ``jaxmem.policy``); None = save-all.
+        policy: memory policy spec (see ``jaxmem.policy``), resolved to a :class:`~jaxmem.policy.Policy`
+            when the config is built (a bad name or file fails before any data loads); or one of
+            :data:`GENERATED_POLICIES` (``chronos-recomp``, ...), generated for this config's schedule
+            and mesh under ``budget`` by :meth:`build_policy` (what ``jaxmem plan`` prints); None =
+            save-all.
         plan: ``"auto"`` lets the planner choose stages, data-parallel, schedule, microbatches and
             policy for ``devices`` under ``budget``.
-        budget: device bytes per device for ``plan="auto"``.
-        hardware: hardware profile for the planner (``auto``: measured here on CPU, h100 on GPU,
-            tpu-v5p on TPU).
+        budget: device bytes per device for ``plan="auto"``, ``adaptive`` and a generated policy.
+        hardware: hardware profile for the planner, the profiler and a generated policy (``auto``:
+            measured here on CPU, h100 on GPU, tpu-v5p on TPU).
         adaptive: run under the online profiler (``jaxmem.profiler``), which picks a memory policy per
             program signature within ``budget``.
         seq_len_schedule: sequence-length buckets for an adaptive run (each at most ``seq_len``).
@@ -117,6 +128,7 @@ class TrainConfig:
     model: object = "tiny"
     dtype: str | None = None
     param_dtype: str | None = None
+    attention: str | None = None
     schedule: str | None = "1f1b"
     schedule_csv: str | None = None
     stages: int = 4
@@ -201,11 +213,20 @@ class TrainConfig:
                 "--adaptive runs write no --run-dir metrics (their record is --profile-report, per program); "
                 "drop --run-dir or --adaptive"
             )
-        if self.budget and not (self.plan or self.adaptive or self.run_dir):
+        generated = self.policy in GENERATED_POLICIES
+        if self.budget and not (self.plan or self.adaptive or self.run_dir or generated):
             raise JaxmemError(
-                "--budget is used by --plan auto and --adaptive (and shown beside the compiled bytes in "
-                "--run-dir metrics); add one of them, or drop --budget"
+                "--budget is used by --plan auto, --adaptive and a generated --policy (chronos-recomp, "
+                "chronos-offload, chronos-both), and shown beside the compiled bytes in --run-dir metrics; add "
+                "one of them, or drop --budget"
             )
+        if generated and not self.budget:
+            raise JaxmemError(
+                f"--policy {self.policy} is generated for the run's schedule and mesh under a memory budget: "
+                "add --budget (device memory per device, e.g. 40GiB)"
+            )
+        if generated and self.adaptive:
+            raise JaxmemError(f"--adaptive picks the policy itself; drop --policy {self.policy} (or --adaptive)")
         if self.data == "synthetic" and self.tokenizer != "byte":
             raise JaxmemError("--tokenizer applies to text data; synthetic data draws token ids directly")
         if self.plan not in (None, "auto"):
@@ -245,6 +266,13 @@ class TrainConfig:
                 f"--data-field {self.data_field!r} names a column of JSONL, Parquet or Hugging Face data; "
                 f"--data {self.data} has no columns. Drop --data-field"
             )
+        # Resolved here, once, before any data loads: a bad policy or schedule fails at once.
+        if self.policy is not None and not generated:
+            from jaxmem.policy import from_spec
+
+            object.__setattr__(self, "policy", from_spec(self.policy))
+        if self.plan != "auto":
+            self.build_schedule()  # checked here; built again where used (generating one is cheap)
 
     @property
     def vocab_parallel(self) -> bool | None:
@@ -274,7 +302,12 @@ class TrainConfig:
 
         overrides = {
             k: v
-            for k, v in (("dtype", self.dtype), ("param_dtype", self.param_dtype), ("vocab_size", self.vocab_size))
+            for k, v in (
+                ("dtype", self.dtype),
+                ("param_dtype", self.param_dtype),
+                ("attention", self.attention),
+                ("vocab_size", self.vocab_size),
+            )
             if v is not None
         }
         model = get_model(self.model, **overrides)
@@ -282,7 +315,52 @@ class TrainConfig:
             raise JaxmemError(f"--seq-len {self.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}")
         return model
 
+    def build_policy(self, model=None, schedule=None, *, budget: float | None = None):
+        """The run's :class:`~jaxmem.policy.Policy` (None: save-all). A generated one
+        (:data:`GENERATED_POLICIES`) is made here for this config's model, schedule and mesh under
+        ``budget`` (default ``self.budget``) on its hardware profile, as ``jaxmem plan`` makes it:
+        the same name and budget give the planner's pick. Refused when even it does not fit."""
+        if self.policy not in GENERATED_POLICIES:
+            return self.policy
+        from jaxmem._util import human_bytes
+        from jaxmem.search import evaluate
+
+        budget = budget or self.budget
+        model = model or self.build_model()
+        candidate = evaluate(
+            model,
+            schedule or self.build_schedule(),
+            self.policy,
+            budget=budget,
+            batch=self.batch_size,
+            seq=self.seq_len,
+            data=self.data_parallel,
+            fsdp=self.fsdp,
+            tensor=self.tensor,
+            zero=self.zero,
+            vocab_parallel=self.vocab_parallel,
+            layer_counts=self.layers_per_stage,
+            hardware=self.hardware_profile(),
+        )
+        if not candidate.fits:
+            raise JaxmemError(
+                f"--policy {self.policy} cannot fit {model.name} in --budget {human_bytes(budget)} on this mesh and "
+                f"schedule: its smallest policy needs {human_bytes(candidate.device_bytes)} per device. Pass a "
+                "larger --budget, more devices, or let --plan auto choose the layout"
+            )
+        return candidate.policy
+
+    def hardware_profile(self) -> str:
+        """The hardware profile's name: ``hardware``, or for ``auto`` the one of this platform (the
+        CPU's is calibrated here; imports JAX)."""
+        if self.hardware != "auto":
+            return self.hardware
+        import jax
+
+        return {"gpu": "h100", "tpu": "tpu-v5p"}.get(jax.devices()[0].platform, "cpu")
+
     def build_schedule(self) -> Schedule:
+        """The run's schedule (already checked when the config was built)."""
         if self.schedule_csv:
             s = validate(load_csv(self.schedule_csv))
             if s.num_ranks != self.stages:
@@ -309,6 +387,12 @@ def add_arguments(p) -> None:
     )
     g.add_argument("--dtype", help="compute dtype, e.g. bfloat16 (mixed precision; default: the model's, float32)")
     g.add_argument("--param-dtype", help="parameter / gradient / optimizer-state dtype (default float32)")
+    g.add_argument(
+        "--attention",
+        choices=["materialized", "fused"],
+        help="a built-in model's attention: materialized (default) or fused (jax.nn.dot_product_attention: no s x s "
+        "probabilities kept for the backward)",
+    )
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default 64)")
     g.add_argument("--batch-size", type=int, help="global batch in sequences (default 32)")
     g.add_argument(
@@ -372,13 +456,20 @@ def add_arguments(p) -> None:
         "rows are split over the ranks)",
     )
     g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x F x P)")
-    g.add_argument("--policy", help="memory policy: a preset name or a TOML file (see `jaxmem memory`)")
+    g.add_argument(
+        "--policy",
+        help="memory policy: a preset name or a TOML file (see `jaxmem memory`); or chronos-recomp, "
+        "chronos-offload, chronos-both: generated for this schedule and mesh under --budget, as jaxmem plan "
+        "generates them",
+    )
     g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
-    g.add_argument("--budget", help="device memory per device for --plan auto, e.g. 12MiB, 24GiB")
+    g.add_argument(
+        "--budget", help="device memory per device for --plan auto, --adaptive or a chronos-* policy, e.g. 24GiB"
+    )
     g.add_argument(
         "--hardware",
-        help="profile of --plan auto, --adaptive and the MFU in --run-dir metrics: h100, tpu-v5p or cpu "
-        "(default: measured here on CPU)",
+        help="profile of --plan auto, --adaptive, a chronos-* --policy and the MFU in --run-dir metrics: h100, "
+        "tpu-v5p or cpu (default: this platform's; measured here on CPU)",
     )
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", help="save here and resume from the latest complete checkpoint")

@@ -55,6 +55,15 @@ CASES = [
     (["plan", "--budget", "1GiB"], "say how many devices to plan for: --devices N, or a mesh with --mesh"),
     (["sample", "no-such-export", "--tokens", "1000000"], "--tokens 1,000,000 is more than 100,000"),
     (["elastic"], "jaxmem elastic needs an action; see jaxmem elastic --help"),
+    # The policy and schedule are resolved with the settings, before the data (here missing) is read.
+    (["train", "--data", "no/such.txt", "--policy", "nosuch"], "unknown policy preset 'nosuch'"),
+    (["train", "--data", "no/such.txt", "--schedule", "nosuch"], "unknown schedule 'nosuch'"),
+    (["train", "--data", "no/such.txt", "--policy", "no/such.toml"], "no/such.toml"),
+    (["train", "--policy", "chronos-recomp"], "--policy chronos-recomp is generated for the run's schedule"),
+    (["train", "--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    (["plan", "--attention", "flash", "--devices", "4", "--budget", "1GiB"], "invalid choice: 'flash'"),
+    (["train", "--policy", "chronos-both", "--budget", "1MiB", "--adaptive"], "--adaptive picks the policy"),
+    (["memory", "--policy", "chronos-recomp", "--budget", "1KiB", "--compile", "no"], "cannot fit tiny in"),
     (
         ["launch", "--nprocs", "2", "--", "--nosuchflag"],
         "the jaxmem train arguments: unrecognized arguments: --nosuchflag",

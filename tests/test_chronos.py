@@ -281,6 +281,30 @@ def test_train_plan_auto_infeasible_is_a_clear_error(capsys):
     assert info.value.smallest_budget <= suggested
 
 
+def test_the_planners_train_command_makes_its_pick_and_memory_takes_it(capsys):
+    """Every policy name the planner prints is a --policy: a generated one (chronos-*) is made again
+    for the printed layout, budget and profile, the very policy the planner priced."""
+    import shlex
+
+    from jaxmem.cli import main
+    from jaxmem.config import parse_train_args
+
+    assert main(["plan", "--model", "tiny", "--devices", "4", "--budget", "2MiB", "--pipe", "4", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    best = record["best"]
+    assert best["policy"].startswith("chronos-")
+    words = shlex.split(record["train_command"])
+    config = parse_train_args(words[2:])
+    model, schedule = config.build_model(), config.build_schedule()
+    policy = config.build_policy(model, schedule)
+    assert str(policy) == best["policy"] and policy.cells  # a table per (stage, microbatch), not a preset
+    assert predict(model, schedule, policy, batch=32, seq=64).max_device_bytes == best["device_bytes"]
+    assert main(["memory", *words[2:], "--compile", "no", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert max(r["predicted_device_bytes"] for r in report["ranks"]) == round(best["device_bytes"])
+    assert report["ranks"][0]["fits_budget"]
+
+
 def test_plan_works_for_a_traced_model(capsys):
     from jaxmem.cli import main
 
@@ -379,12 +403,17 @@ def test_chronos_trains(capsys):
             "16",
             "--steps",
             "3",
-            "--policy",
-            "selective",
+            "--policy",  # generated for this layout (save-all needs 5.1 MiB, the smallest 4.0 MiB)
+            "chronos-recomp",
+            "--budget",
+            "4.5MiB",
+            "--hardware",
+            "h100",
             "--json",
             "--quiet",
         ]
     )
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["schedule"] == "chronos" and summary["pipeline_stages"] == 4
+    assert summary["policy"] == "chronos-recomp"
     assert summary["loss_last"] < summary["loss_first"]

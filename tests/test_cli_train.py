@@ -76,6 +76,11 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
     err = capsys.readouterr().err
     assert code == 0
     assert "step 2/4  loss" in err and "step 4/4  loss" in err and "step 3/4" not in err
+    # The rate is the steps' own (4 x 16 tokens each), not diluted by the first step's compile.
+    import re
+
+    rate, median = re.search(r"step 4/4  loss \S+  ([\d,]+) tok/s  ([\d.]+) s/step", err).groups()
+    assert 0.5 < float(rate.replace(",", "")) * float(median) / 64 < 2.0
 
 
 @pytest.mark.parametrize(

@@ -194,14 +194,27 @@ def test_no_step_that_verifies_and_a_step_without_a_manifest_are_refused(tmp_pat
     ckpt.close()
 
 
-def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path):
+def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path, monkeypatch):
     config = TrainConfig(stages=2, **SMALL)
     trainer = Trainer(config)
     ckpt = Checkpointer(tmp_path / "ckpt", every=1)
     ckpt.save(1, *trainer.export_state(trainer.init_state()))
     ckpt.close()
+    # train() names the mismatch from the step's metadata, before it builds (or compiles) any state.
+    from jaxmem.train import train
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "init_state", lambda *a, **k: pytest.fail("the state was built before the check"))
+        for change, message in (
+            (dict(vocab_size=300), "saved by a different model or optimizer .*6 shape.s. differ"),
+            (dict(seed=5), "trained with --seed 0, this run has --seed 5"),
+        ):
+            run = dataclasses.replace(config, **change, steps=3, checkpoint_dir=str(tmp_path / "ckpt"))
+            with pytest.raises(JaxmemError, match=message):
+                train(run, progress=False)
     other = Trainer(dataclasses.replace(config, vocab_size=300))  # the embedding and head change shape
     ckpt = Checkpointer(tmp_path / "ckpt")
+    assert ckpt.steps() == [1]  # neither refused run moved the step aside
     with pytest.raises(CheckpointError, match="saved by a different model or optimizer .*6 shape.s. differ"):
         ckpt.restore(other.restore_target())
     restored = ckpt.restore(trainer.restore_target())
@@ -345,7 +358,6 @@ def test_the_shipped_process_constants_predict_the_recorded_runs_they_were_not_f
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     import elastic_fit
 
-    from jaxmem.elastic import _recovery
     from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE
 
     record = json.loads((Path(__file__).parent.parent / "benchmarks/results/elastic_fit.json").read_text())
@@ -358,7 +370,7 @@ def test_the_shipped_process_constants_predict_the_recorded_runs_they_were_not_f
     fit_rows = [r for r in record["rows"] if r["group"] == "fit"]
     holdout = [r for r in record["rows"] if r["group"] == "holdout"]
     assert {r["spec"][0] for r in holdout} - {r["spec"][0] for r in fit_rows}  # a model the fit did not see
-    shipped = (*dataclasses.astuple(CPU_LOCKSTEP_PROCESSES)[:3], _recovery.OVERSUBSCRIPTION)
+    shipped = (*dataclasses.astuple(CPU_LOCKSTEP_PROCESSES)[:3], CPU_LOCKSTEP_PROCESSES.oversubscription)
     np.testing.assert_allclose(shipped, elastic_fit.fit(fit_rows, hardware), rtol=0.05, atol=1e-9)
     result = elastic_fit.evaluate(holdout, hardware, shipped, fit_rows)
     assert result["worst_calibrated_error"] < 0.09 and result["mean_abs_calibrated_error"] < 0.06, result
@@ -826,3 +838,21 @@ def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
     args = ["--stages", "2", "--fsdp", "2", "--tensor", "2", "--model", "llama-tiny"]
     again = parse_train_args(_recovered_args(args, by_name["re-partition"]))
     assert (again.stages, again.fsdp, again.tensor, tuple(again.layers_per_stage)) == (1, 2, 2, (8,))
+
+
+@pytest.mark.parametrize("schedule,virtual", [("interleaved-1f1b", 2), ("zbv", None)])
+def test_recovery_of_a_run_with_several_stages_per_rank_splits_every_stage(schedule, virtual):
+    """Layer counts cover the schedule's P x V stages (they covered P ranks: planning failed with
+    'lists 2 stages, but the schedule has 4'), and the next attempt's arguments run."""
+    from jaxmem.config import parse_train_args
+    from jaxmem.elastic._launcher import _recovered_args
+
+    config = TrainConfig(schedule=schedule, virtual=virtual, stages=2, data_parallel=2, microbatches=4, steps=20)
+    plan = _plan(config, spares=0, failed=[3])
+    by_name = {c.name: c for c in plan.candidates}
+    assert by_name["shrink-data-parallel"].layers_per_stage == (2, 2, 2, 2)
+    assert by_name["re-partition"].layers_per_stage == (4, 4) and "reroute" not in by_name
+    args = ["--schedule", schedule, "--stages", "2", "--data-parallel", "2", "--microbatches", "4"]
+    args += ["--virtual", str(virtual)] if virtual else []
+    again = parse_train_args(_recovered_args(args, by_name["re-partition"]))
+    assert (again.stages, again.build_schedule().num_stages, again.layers_per_stage) == (1, 2, (4, 4))

@@ -414,3 +414,33 @@ def test_selective_on_a_model_without_a_quadratic_group_says_it_saves_everything
     train(config, progress=True)
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
     assert "declares no 'quadratic' tag group, so selective recompute keeps every tag" in err
+
+
+@pytest.mark.parametrize(
+    "model,schedule,policy", [("llama-tiny", "zbv", "recompute-all"), ("tiny", "chronos", "save-all")]
+)
+def test_fused_attention_keeps_no_probabilities_and_its_gradients_are_plain(model, schedule, policy):
+    """--attention fused: jax.nn.dot_product_attention rematerialised whole, so nothing s x s is
+    stashed (no attn_probs tag; the stash is what the materialized model keeps less the
+    probabilities), the pipelined gradients equal jax.grad, and the ledger counts the op's own
+    working set, which the backward rebuilds (within 10% of memory_analysis())."""
+    from jaxmem.config import TrainConfig
+    from jaxmem.memory import compare, predict
+    from jaxmem.train import Trainer
+
+    s = generate(schedule, 2, 4)
+    fused = verification_model(s.num_stages, model, attention="fused")
+    assert "attn_probs" not in fused.tags.names and not fused.tags.group("quadratic")
+    assert verify(s, model=fused, policy=policy)["ok"]
+    plain = get_model(model, attention="materialized", n_layers=4)
+    save_all = {m: PRESETS["save-all"].bind(m.tags) for m in (plain, get_model(model, attention="fused", n_layers=4))}
+    shape = dict(first=False, last=False, layers=2, microbatch=4, seq=64)
+    kept = {m.config.attention: model_facts(m).stage(policy=p, **shape) for m, p in save_all.items()}
+    config = get_model(model).config
+    probs = 4 * config.n_heads * 64 * 64 * 2 * np.dtype("float32").itemsize  # 4 x 64 tokens, 2 layers
+    assert kept["materialized"].stash_bytes() - kept["fused"].stash_bytes() == probs
+    assert kept["fused"].inner_bytes > 0 and kept["materialized"].inner_bytes == 0
+    trainer = Trainer(TrainConfig(model=model, attention="fused", stages=2, microbatches=4, policy=policy, steps=1))
+    predicted = predict(trainer.model, trainer.schedule, policy, batch=32, seq=64)
+    report = compare(predicted, trainer.measure_memory())
+    assert all(abs(r["prediction_error"]) <= 0.10 for r in report["ranks"]), report["ranks"]

@@ -205,3 +205,28 @@ def test_the_profiler_keeps_and_prices_the_runs_sharded_layout():
     layout = estimate(base.model, base.schedule, "recompute-all", fsdp=2, tensor=2, zero=False, **kw)
     assert predicted == layout.device_bytes
     assert predicted < estimate(base.model, base.schedule, "recompute-all", zero=False, **kw).device_bytes
+
+
+def test_the_policy_choice_is_a_pure_function_of_the_predictions():
+    from jaxmem.profiler import BudgetError, choose_policy, escalate_policy
+
+    mib = 2**20
+    ladder = {  # policy -> (device bytes, expected seconds, simulated seconds), in ladder order
+        "save-all": (10 * mib, 1.0, 1.0),
+        "selective": (6 * mib, 1.2, 1.2),
+        "recompute-all": (4 * mib, 1.5, 1.5),
+        "offload-stash": (4 * mib, 1.5, 1.5),
+    }
+    assert choose_policy(ladder, 12 * mib) == "save-all"
+    assert choose_policy(ladder, 9 * mib) == "selective"
+    assert choose_policy(ladder, 6 * mib, margin=1.1) == "recompute-all"  # the learned margin counts
+    # Equal times: the nearest signature's choice, else the earlier on the ladder.
+    assert choose_policy(ladder, 5 * mib) == "recompute-all"
+    assert choose_policy(ladder, 5 * mib, neighbour="offload-stash") == "offload-stash"
+    with pytest.raises(BudgetError, match="smallest prediction is 4.0 MiB") as info:
+        choose_policy(ladder, 3 * mib, what="batch 8 x seq 64")
+    assert info.value.deficit == mib
+    # selective compiled 25% over its prediction: only a policy whose prediction x 1.25 fits is next.
+    assert escalate_policy(ladder, 5.5 * mib, "selective", 7.5 * mib) == "recompute-all"
+    with pytest.raises(BudgetError, match="no stronger policy"):
+        escalate_policy(ladder, 4.5 * mib, "selective", 7.5 * mib)

@@ -70,6 +70,22 @@ def check_output_dir(path: str, flag: str) -> None:
         raise JaxmemError(f"{flag} {path}: {found} is not writable; choose another folder")
 
 
+def add_attention_argument(p) -> None:
+    """``--attention``: how a built-in model computes attention."""
+    p.add_argument(
+        "--attention",
+        choices=["materialized", "fused"],
+        help="a built-in model's attention: materialized (default; the s x s probabilities are a tensor a policy "
+        "keeps or recomputes) or fused (jax.nn.dot_product_attention; none kept for the backward)",
+    )
+
+
+def model_overrides(args) -> dict:
+    """The model config fields the model flags set (``--dtype``, ``--param-dtype``, ``--attention``)."""
+    fields = {"dtype": "dtype", "param_dtype": "param_dtype", "attention": "attention"}
+    return {k: getattr(args, v) for k, v in fields.items() if getattr(args, v, None)}
+
+
 def add_mesh_arguments(p) -> None:
     """``--data-parallel``, ``--fsdp``, ``--tensor``, ``--mesh``, ``--no-zero`` and ``--no-vocab-split`` (with
     ``--stages``, which the command adds itself): the mesh of a command that builds one step, as

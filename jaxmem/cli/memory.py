@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from jaxmem._util import parse_bytes
 from jaxmem.cli._common import (
+    add_attention_argument,
     add_mesh_arguments,
     check_output_file,
     positive_int,
@@ -41,12 +43,24 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. llama-tiny, gpt2-xl)")
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
+    add_attention_argument(p)
     p.add_argument("--schedule", default="1f1b", help="schedule name (default 1f1b)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
     p.add_argument("--stages", type=positive_int, help="pipeline ranks P (default 4)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
-    p.add_argument("--policy", default="save-all", help="policy preset or TOML file (default save-all)")
+    p.add_argument(
+        "--policy",
+        default="save-all",
+        help="policy preset or TOML file (default save-all); or chronos-recomp, chronos-offload, chronos-both: "
+        "generated for this layout under --budget, as jaxmem plan generates them",
+    )
+    p.add_argument(
+        "--hardware",
+        default="auto",
+        help="the profile a chronos-* policy is priced on: h100, tpu-v5p, cpu (measured here), or auto (this "
+        "platform's; default)",
+    )
     p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default 32)")
     p.add_argument("--seq-len", type=positive_int, default=64, help="sequence length (default 64)")
     add_mesh_arguments(p)
@@ -71,13 +85,16 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _config(args):
-    from jaxmem.config import TrainConfig
+def _config(args, budget=None):
+    from jaxmem.config import GENERATED_POLICIES, TrainConfig
 
     return TrainConfig(
+        budget=budget if args.policy in GENERATED_POLICIES else None,
+        hardware=args.hardware,
         model=args.model,
         dtype=args.dtype,
         param_dtype=args.param_dtype,
+        attention=args.attention,
         schedule=None if args.csv else args.schedule,
         schedule_csv=args.csv,
         stages=args.stages,
@@ -101,10 +118,12 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
 
     model = config.build_model()
     schedule = config.build_schedule()
+    policy = config.build_policy(model, schedule)
+    config = dataclasses.replace(config, policy=policy, budget=None)
     predicted = predict(
         model,
         schedule,
-        config.policy,
+        policy,
         batch=config.batch_size,
         seq=config.seq_len,
         data_parallel=config.data_parallel,
@@ -320,7 +339,7 @@ def run(args) -> int:
         check_output_file(args.output, "-o")
     budget = parse_bytes(args.budget, "--budget") if args.budget else None
     resolve_mesh(args)
-    config = _config(args)
+    config = _config(args, budget)
     setup_devices(config.num_devices)
     report = ledger_report(config, args.compile)
     if budget:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import parse_bytes, positive_float, positive_int, print_json
+from jaxmem.cli._common import (
+    add_attention_argument,
+    model_overrides,
+    parse_bytes,
+    positive_float,
+    positive_int,
+    print_json,
+)
 
 _EPILOG = """\
 examples:
@@ -39,6 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. gpt2-xl, llama-8b)")
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
+    add_attention_argument(p)
     p.add_argument("--devices", type=positive_int, help="devices available (data x fsdp x pipe x tensor)")
     p.add_argument(
         "--mesh",
@@ -144,8 +152,7 @@ def run(args) -> int:
         args.pipe,
         progress=not args.json,
         mesh=mesh,
-        dtype=args.dtype,
-        param_dtype=args.param_dtype,
+        **model_overrides(args),
     )
     record = result.to_json()
     mfu = _mfu(result, batch, seq, args, result.devices)
@@ -173,21 +180,22 @@ def train_command(best, args, batch: int, seq: int) -> str | None:
         return None
     import shlex
 
+    from jaxmem.config import GENERATED_POLICIES
+
     sizes = {"data": best.data, "fsdp": best.fsdp, "pipe": best.pipe, "tensor": best.tensor}
     mesh = ",".join(f"{axis}={n}" for axis, n in sizes.items() if n > 1 or axis == "pipe")
     words = ["jaxmem", "train", "--model", args.model]
-    for flag, value in (("--dtype", args.dtype), ("--param-dtype", args.param_dtype)):
-        if value:
-            words += [flag, value]
-    shape = ["--batch-size", str(batch), "--seq-len", str(seq)]
-    if best.policy_name.startswith("chronos-"):
-        # A generated policy is a table per stage and microbatch, not a preset: --plan auto plans
-        # again on the same profile and trains its pick.
-        return shlex.join(words + ["--plan", "auto", "--budget", args.budget, "--hardware", args.hardware, *shape])
+    for field, value in model_overrides(args).items():
+        words += ["--" + field.replace("_", "-"), value]
     words += ["--mesh", mesh, "--schedule", best.schedule]
     if best.virtual and best.schedule == "interleaved-1f1b":
         words += ["--virtual", str(best.virtual)]
-    return shlex.join(words + ["--microbatches", str(best.microbatches), *shape, "--policy", best.policy_name])
+    words += ["--microbatches", str(best.microbatches), "--batch-size", str(batch), "--seq-len", str(seq)]
+    words += ["--policy", best.policy_name]
+    if best.policy_name in GENERATED_POLICIES:
+        # Generated for this layout under the budget on the profile: the same inputs make the same policy.
+        words += ["--budget", args.budget, "--hardware", args.hardware]
+    return shlex.join(words)
 
 
 def _mfu(result, batch: int, seq: int, args, devices: int) -> float | None:
@@ -198,7 +206,6 @@ def _mfu(result, batch: int, seq: int, args, devices: int) -> float | None:
     from jaxmem.memory import get_hardware, model_facts
     from jaxmem.models import get_model
 
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("param_dtype", args.param_dtype)) if v}
-    whole = model_facts(get_model(args.model, **overrides)).whole(batch, seq)
+    whole = model_facts(get_model(args.model, **model_overrides(args))).whole(batch, seq)
     per_token = (whole.forward_flops + whole.backward_flops - whole.recompute_flops) / (batch * seq)
     return per_token * result.best.tokens_per_second / (devices * get_hardware(args.hardware).peak_flops)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmem.cli._common import add_mesh_arguments, positive_int, print_json, resolve_mesh, setup_devices
+from jaxmem.cli._common import (
+    add_attention_argument,
+    add_mesh_arguments,
+    model_overrides,
+    positive_int,
+    print_json,
+    resolve_mesh,
+    setup_devices,
+)
 
 _EPILOG = """\
 Run this before trusting a custom schedule, policy or model:
@@ -32,6 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="model preset to copy small (default tiny; e.g. llama-tiny)")
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
+    add_attention_argument(p)
     p.add_argument("--schedule", help="schedule name (see `jaxmem schedule list`)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
     p.add_argument("--stages", type=positive_int, help="pipeline ranks P (default 4)")
@@ -61,8 +70,7 @@ def run(args) -> int:
     setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks * args.tensor)
     from jaxmem.verify import verification_model, verify
 
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("param_dtype", args.param_dtype)) if v}
-    model = verification_model(schedule.num_stages, args.model, **overrides)
+    model = verification_model(schedule.num_stages, args.model, **model_overrides(args))
     result = verify(
         schedule,
         model=model,

@@ -185,7 +185,6 @@ def launch(
     """
     from jaxmem.config import parse_train_args
     from jaxmem.elastic._recovery import STRATEGIES, choose_recovery
-    from jaxmem.elastic._worker import FAIL_AT_ENV, HEARTBEAT_ENV, LAUNCHER_ENV
     from jaxmem.memory import cpu_cores
 
     if nprocs < 1 or devices_per_proc < 1:
@@ -238,78 +237,29 @@ def launch(
                 f"mesh data={config.data_parallel},fsdp={config.fsdp},pipe={config.stages},tensor={config.tensor}"
             )
             workers.clear()
-            procs, heartbeats = workers, []
-            for rank in range(current_nprocs):
-                env = dict(os.environ)
-                env.update(
-                    {
-                        "JAXMEM_COORDINATOR": f"127.0.0.1:{port}",
-                        "JAXMEM_NUM_PROCESSES": str(current_nprocs),
-                        "JAXMEM_PROCESS_ID": str(rank),
-                        HEARTBEAT_ENV: str(run / f"heartbeat-{attempt_index}-{rank}"),
-                        "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
-                        "XLA_FLAGS": with_host_devices(os.environ.get("XLA_FLAGS", ""), devices_per_proc),
-                        LAUNCHER_ENV: str(os.getpid()),
-                    }
+            procs = workers
+            heartbeats = _start_workers(
+                procs,
+                args,
+                run,
+                attempt_index,
+                port=port,
+                nprocs=current_nprocs,
+                devices_per_proc=devices_per_proc,
+                heartbeat_seconds=heartbeat_seconds,
+                failures=failures if attempt_index == 0 else (),
+            )
+            failed_rank, progress = _watch(procs, heartbeats, attempt, heartbeat_seconds, deadline)
+            if failed_rank == _TIMED_OUT:
+                _stop(procs)
+                raise JaxmemError(f"launch timed out after {timeout:.0f}s (logs in {run})")
+            if failed_rank is not None and procs[failed_rank].returncode == 2:
+                # a jaxmem error: settings, data or checkpoint, not hardware
+                _stop(procs)
+                raise JaxmemError(
+                    f"worker {failed_rank} stopped on an error (not a failure to recover from): "
+                    f"{_last_error(run / f'worker-{attempt_index}-{failed_rank}.log')} (logs in {run})"
                 )
-                env.pop(FAIL_AT_ENV, None)
-                if attempt_index == 0:
-                    for f in failures:
-                        if f.rank == rank:
-                            env[FAIL_AT_ENV] = str(f.step)
-                heartbeats.append(Path(env[HEARTBEAT_ENV]))
-                # A rerun in the same run dir: an earlier launch's heartbeat file is not this worker's.
-                heartbeats[-1].unlink(missing_ok=True)
-                out = open(run / f"worker-{attempt_index}-{rank}.log", "w")
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "jaxmem", "train", *args],
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        # No preexec_fn: CPython then forks without running this process's at-fork
-                        # handlers (JAX's warns that a fork of its multithreaded runtime may deadlock;
-                        # nothing of it runs in the child, which execs at once). The worker asks to
-                        # die with the launcher itself (die_with_launcher).
-                        start_new_session=True,
-                    )
-                )
-            failed_rank = None
-            last_beat = [None] * current_nprocs
-            progress: list[tuple[float, int]] = []  # (time, step) of worker 0's heartbeats
-            while True:
-                time.sleep(0.2)
-                codes = [p.poll() for p in procs]
-                for rank, path in enumerate(heartbeats):
-                    if path.exists():
-                        mtime = path.stat().st_mtime
-                        if attempt.first_step_at is None:
-                            attempt.first_step_at = mtime
-                        last_beat[rank] = mtime
-                        if rank == 0:
-                            step = _read_step(path)
-                            if step is not None and (not progress or step > progress[-1][1]):
-                                progress.append((mtime, step))
-                bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                stale = [
-                    r
-                    for r, t in enumerate(last_beat)
-                    if t is not None and codes[r] is None and time.time() - t > heartbeat_seconds
-                ]
-                if bad or stale:
-                    failed_rank = _blame(procs, codes, last_beat, bad, stale)
-                    if codes[failed_rank] == 2:  # a jaxmem error: settings, data or checkpoint, not hardware
-                        _stop(procs)
-                        raise JaxmemError(
-                            f"worker {failed_rank} stopped on an error (not a failure to recover from): "
-                            f"{_last_error(run / f'worker-{attempt_index}-{failed_rank}.log')} (logs in {run})"
-                        )
-                    break
-                if all(c == 0 for c in codes):
-                    break
-                if deadline and time.time() > deadline:
-                    _stop(procs)
-                    raise JaxmemError(f"launch timed out after {timeout:.0f}s (logs in {run})")
             if failed_rank is None:
                 attempt.exit_codes = [p.returncode for p in procs]
                 summary = _summary(run / f"worker-{attempt_index}-0.log")
@@ -331,16 +281,9 @@ def launch(
             attempt.exit_codes = [p.returncode for p in procs]
             beats = [read_heartbeat(h) for h in heartbeats]
             steps_done = max((step or 0) for step, _ in beats)
-            last_ckpt = _latest_checkpoint(Path(_flag_value(args, "--checkpoint-dir")))
+            last_ckpt = _latest_checkpoint(Path(config.checkpoint_dir))
             first = attempt.first_step_at
-            # The pre-failure step: the workers' own median step times (compile excluded; checkpoint saves
-            # and stragglers do not move a median); from heartbeat times when no worker reported one.
-            reported = sorted(m for _, m in beats if m)
-            if not reported:
-                steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
-                reported = sorted((t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0)
-            measured = reported[len(reported) // 2] if reported else None
-            attempt.measured_step_seconds = measured
+            measured = attempt.measured_step_seconds = _pre_failure_step(beats, progress)
             restart_seconds = (first - attempt.started) if first else 15.0
             if attempt_index == max_restarts:
                 log(
@@ -392,16 +335,104 @@ def launch(
         held.close()
 
 
-def _flag_value(args: list, flag: str):
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-    return None
+_TIMED_OUT = -1  # what _watch returns for the failed rank when the launch's deadline passed
+
+
+def _start_workers(
+    procs: list, args, run: Path, attempt_index: int, *, port, nprocs, devices_per_proc, heartbeat_seconds, failures
+) -> list[Path]:
+    """Start one attempt's ``nprocs`` workers (``jaxmem train <args>``, appended to ``procs`` as they
+    start, so a signal stops the ones already running) with their distributed-job environment; an
+    injected failure in ``failures`` is handed to its rank. Returns the workers' heartbeat files."""
+    from jaxmem.elastic._worker import FAIL_AT_ENV, HEARTBEAT_ENV, LAUNCHER_ENV
+
+    heartbeats = []
+    for rank in range(nprocs):
+        env = dict(os.environ)
+        env.update(
+            {
+                "JAXMEM_COORDINATOR": f"127.0.0.1:{port}",
+                "JAXMEM_NUM_PROCESSES": str(nprocs),
+                "JAXMEM_PROCESS_ID": str(rank),
+                HEARTBEAT_ENV: str(run / f"heartbeat-{attempt_index}-{rank}"),
+                "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
+                "XLA_FLAGS": with_host_devices(os.environ.get("XLA_FLAGS", ""), devices_per_proc),
+                LAUNCHER_ENV: str(os.getpid()),
+            }
+        )
+        env.pop(FAIL_AT_ENV, None)
+        for f in failures:
+            if f.rank == rank:
+                env[FAIL_AT_ENV] = str(f.step)
+        heartbeats.append(Path(env[HEARTBEAT_ENV]))
+        # A rerun in the same run dir: an earlier launch's heartbeat file is not this worker's.
+        heartbeats[-1].unlink(missing_ok=True)
+        out = open(run / f"worker-{attempt_index}-{rank}.log", "w")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "jaxmem", "train", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # No preexec_fn: CPython then forks without running this process's at-fork
+                # handlers (JAX's warns that a fork of its multithreaded runtime may deadlock;
+                # nothing of it runs in the child, which execs at once). The worker asks to
+                # die with the launcher itself (die_with_launcher).
+                start_new_session=True,
+            )
+        )
+    return heartbeats
+
+
+def _watch(procs, heartbeats, attempt, heartbeat_seconds: float, deadline) -> tuple[int | None, list]:
+    """Follow one attempt until every worker exits 0 (returns None), one fails -- exits non-zero, or
+    its heartbeat is older than ``heartbeat_seconds`` (returns the blamed rank) -- or ``deadline``
+    passes (returns ``_TIMED_OUT``). Also returns worker 0's ``(time, step)`` heartbeats, and sets
+    the attempt's first-step time."""
+    last_beat = [None] * len(procs)
+    progress: list[tuple[float, int]] = []
+    while True:
+        time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+        for rank, path in enumerate(heartbeats):
+            if path.exists():
+                mtime = path.stat().st_mtime
+                if attempt.first_step_at is None:
+                    attempt.first_step_at = mtime
+                last_beat[rank] = mtime
+                if rank == 0:
+                    step = _read_step(path)
+                    if step is not None and (not progress or step > progress[-1][1]):
+                        progress.append((mtime, step))
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        stale = [
+            r
+            for r, t in enumerate(last_beat)
+            if t is not None and codes[r] is None and time.time() - t > heartbeat_seconds
+        ]
+        if bad or stale:
+            return _blame(procs, codes, last_beat, bad, stale), progress
+        if all(c == 0 for c in codes):
+            return None, progress
+        if deadline and time.time() > deadline:
+            return _TIMED_OUT, progress
+
+
+def _pre_failure_step(beats, progress) -> float | None:
+    """The pre-failure step: the workers' own median step times (compile excluded; checkpoint saves
+    and stragglers do not move a median); from worker 0's heartbeat times when no worker reported one."""
+    reported = sorted(m for _, m in beats if m)
+    if not reported:
+        steady = [(t, k) for t, k in progress if k >= 2]  # step 1 includes the compile
+        reported = sorted((t1 - t0) / (k1 - k0) for (t0, k0), (t1, k1) in zip(steady, steady[1:]) if k1 > k0)
+    return reported[len(reported) // 2] if reported else None
 
 
 def _latest_checkpoint(directory: Path) -> int | None:
-    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
-    return max(steps) if steps else None
+    from jaxmem.train import committed_steps
+
+    steps = committed_steps(directory)
+    return steps[-1] if steps else None
 
 
 class LaunchInterrupted(JaxmemError):

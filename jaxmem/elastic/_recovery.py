@@ -19,8 +19,9 @@ hardware profile, calibrated by the measured pre-failure step (the worker's own 
 
 On a CPU (its virtual devices sharing the cores), step time follows the shared-core lockstep model
 of :mod:`jaxmem.memory` (the one ``--plan auto`` uses, with its constants for one process per rank),
-and processes beyond the cores slow every step by ``(processes / cores) ** OVERSUBSCRIPTION``
-(time-slicing; collectives between processes waiting for a core). That exponent and the model's
+and processes beyond the cores slow every step by ``(processes / cores) ** e`` (time-slicing;
+collectives between processes waiting for a core; ``e`` is those constants' ``oversubscription``,
+and :func:`~jaxmem.memory.estimate` applies it for a profile with ``processes`` set). That exponent and the model's
 constants are fitted together on this 2-core machine by ``benchmarks/elastic_fit.py`` from failure-free
 runs (the tiny model, 1F1B, M=4 and 8, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2 on 2 to 4
 processes) and checked on llama-tiny and on meshes the fit did not see (8% worst error calibrated
@@ -38,9 +39,11 @@ import dataclasses
 
 from jaxmem._errors import JaxmemError
 from jaxmem._util import human_bytes
-
-# Fitted on the 2-core development machine (module docstring).
-OVERSUBSCRIPTION = 0.2  # slowdown exponent of processes beyond the cores
+from jaxmem.config import GENERATED_POLICIES
+from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE, estimate, get_hardware
+from jaxmem.pipeline import balanced_layers
+from jaxmem.schedule import Schedule, ScheduleError, generate, lockstep_ticks
+from jaxmem.search import evaluate
 
 STRATEGIES = ("restart-on-spares", "shrink-data-parallel", "shrink-fsdp", "re-partition", "reroute")  # module docstring
 
@@ -124,21 +127,10 @@ def _mark(s: Strategy) -> str:
     return "  [does not fit]" if "over the budget" in s.note else "  [model only]"
 
 
-def _balanced(layers: int, stages: int) -> tuple[int, ...]:
-    base, extra = divmod(layers, stages)
-    return tuple(base + (1 if i < extra else 0) for i in range(stages))
-
-
-def _oversubscription(nprocs: int | None, cores: int | None, exponent: float = OVERSUBSCRIPTION) -> float:
-    """The slowdown of ``nprocs`` processes time-slicing ``cores`` cores (1 when they fit)."""
-    return (nprocs / cores) ** exponent if cores and nprocs and nprocs > cores else 1.0
-
-
-def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, hardware, cores, **layout):
-    """A configuration's step before calibration and oversubscription: save-all costs on ``hardware``
-    with its devices sharing ``cores`` CPU cores (None: each device its own); ``layout``: the
+def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, hardware, cores, nprocs, **layout):
+    """A configuration's step before calibration: save-all costs on ``hardware`` with its devices
+    sharing ``cores`` CPU cores (None: each device its own) over ``nprocs`` processes; ``layout``: the
     ``fsdp``, ``tensor``, ``zero`` and ``vocab_parallel`` of :func:`jaxmem.memory.estimate`."""
-    from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, estimate
 
     return estimate(
         model,
@@ -147,8 +139,8 @@ def _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, 
         batch=batch,
         seq=seq,
         data_parallel=data_parallel,
-        layer_counts=list(layer_counts),
-        hardware=dataclasses.replace(hardware, cores=cores, lockstep=CPU_LOCKSTEP_PROCESSES),
+        layer_counts=None if layer_counts is None else list(layer_counts),
+        hardware=dataclasses.replace(hardware, cores=cores, lockstep=CPU_LOCKSTEP_PROCESSES, processes=nprocs),
         memory=False,
         **layout,
     ).step_seconds
@@ -171,19 +163,17 @@ def predicted_step_seconds(
 ) -> float:
     """Modelled step seconds of a configuration before calibration (FLOP costs on ``hardware``); with
     ``cores`` set, the shared-core lockstep model of the module docstring."""
-    from jaxmem.memory import get_hardware
-    from jaxmem.schedule import Schedule, generate
 
     schedule = generate(schedule_name, stages, microbatches)
     if stage_to_rank is not None:
         schedule = Schedule(schedule.ranks, stage_to_rank=stage_to_rank, name=schedule.name)
-    seconds = _modelled_seconds(model, schedule, data_parallel, batch, seq, layer_counts, get_hardware(hardware), cores)
-    return seconds * _oversubscription(nprocs, cores)
+    return _modelled_seconds(
+        model, schedule, data_parallel, batch, seq, layer_counts, get_hardware(hardware), cores, nprocs
+    )
 
 
 def _reroute_schedule(schedule_name: str, stages: int, microbatches: int, failed_rank: int):
     """The failed rank's stage moved onto its neighbour (an extra virtual stage), as a schedule."""
-    from jaxmem.schedule import Schedule, generate, lockstep_ticks
 
     base = generate(schedule_name, stages, microbatches)
     neighbour = failed_rank - 1 if failed_rank > 0 else 1
@@ -235,8 +225,6 @@ def choose_recovery(
         budget: device memory in bytes (default: the config's ``budget``); a layout other than the
             job's own that the ledger predicts above it is scored but not chosen.
     """
-    from jaxmem.memory import HARDWARE, estimate, get_hardware
-    from jaxmem.schedule import ScheduleError, generate
 
     if hardware is None and cores and measured_step_seconds:
         # The measured step sets the scale (below): the nominal rate serves, and nothing compiles.
@@ -252,34 +240,35 @@ def choose_recovery(
     devices_left = survivors * devices_per_proc
     remaining = config.steps - last_checkpoint
     lost_steps = steps_done - last_checkpoint
-    original_counts = tuple(config.layers_per_stage or _balanced(layers, P))
+
+    def schedule_for(stages: int):
+        """The run's schedule on ``stages`` pipe ranks (its virtual stages per rank kept)."""
+        return generate(schedule_name, stages, M, config.virtual)
+
+    # Layers per stage: over every stage of the schedule (P x V for interleaved and V-shapes).
+    original_counts = tuple(config.layers_per_stage or balanced_layers(layers, schedule_for(P).num_stages))
     layout = {"zero": config.zero, "vocab_parallel": config.vocab_parallel}
     budget = budget or config.budget
 
-    def modelled(stages, data, counts, schedule=None, fsdp=F):
-        schedule = schedule or generate(schedule_name, stages, M)
-        return _modelled_seconds(model, schedule, data, B, seq, counts, hardware, cores, fsdp=fsdp, tensor=T, **layout)
+    def modelled(stages, data, counts, procs, schedule=None, fsdp=F):
+        schedule = schedule or schedule_for(stages)
+        return _modelled_seconds(
+            model, schedule, data, B, seq, counts, hardware, cores, procs, fsdp=fsdp, tensor=T, **layout
+        )
 
-    modelled_original = modelled(P, D, original_counts) * _oversubscription(nprocs, cores)
+    modelled_original = modelled(P, D, original_counts, nprocs)
     scale = measured_step_seconds / modelled_original if measured_step_seconds else 1.0
     old_step = measured_step_seconds or modelled_original
     candidates = []
 
     def device_bytes(stages, data, fsdp, counts):
-        """Predicted per-device bytes of the run's policy on this layout (the ledger; no compile)."""
-        return estimate(
-            model,
-            generate(schedule_name, stages, M),
-            config.policy,
-            batch=B,
-            seq=seq,
-            data_parallel=data,
-            fsdp=fsdp,
-            tensor=T,
-            layer_counts=list(counts),
-            hardware=hardware,
-            **layout,
-        ).device_bytes
+        """Predicted per-device bytes of the run's policy on this layout (the ledger; no compile). A
+        generated policy (chronos-*) is made again for the layout, as the relaunched run makes it."""
+        shape = dict(batch=B, seq=seq, fsdp=fsdp, tensor=T, layer_counts=list(counts), hardware=hardware, **layout)
+        schedule = schedule_for(stages)
+        if config.policy in GENERATED_POLICIES:
+            return evaluate(model, schedule, config.policy, budget=config.budget, data=data, **shape).device_bytes
+        return estimate(model, schedule, config.policy, data_parallel=data, **shape).device_bytes
 
     def add(name, stages, data, counts, runnable=True, note="", schedule=None, fsdp=F, nprocs_new=None):
         devices = stages * data * fsdp * T
@@ -289,8 +278,7 @@ def choose_recovery(
         if nprocs_new is None:
             nprocs_new = survivors if schedule is not None else -(-devices // devices_per_proc)
         try:
-            step = modelled(stages, data, counts, schedule, fsdp) * scale
-            step *= _oversubscription(nprocs_new, cores)
+            step = modelled(stages, data, counts, nprocs_new, schedule, fsdp) * scale
             held = None if schedule is not None else device_bytes(stages, data, fsdp, counts)
         except (ScheduleError, JaxmemError):
             return
@@ -336,13 +324,15 @@ def choose_recovery(
             break
     for p_new in range(P - 1, 0, -1):
         for d_new in range(D, 0, -1):
-            if p_new * d_new * F * T <= devices_left and layers >= p_new:
-                counts = _balanced(layers, p_new)
+            stages_new = schedule_for(p_new).num_stages
+            if p_new * d_new * F * T <= devices_left and layers >= stages_new:
+                counts = balanced_layers(layers, stages_new)
                 add("re-partition", p_new, d_new, counts, note=f"pipe {P} -> {p_new}, layers {list(counts)}")
                 break
         if any(c.name == "re-partition" for c in candidates):
             break
-    if D == 1 and F == 1 and T == 1 and len(failed) == 1 and P > 1 and devices_per_proc == 1:
+    one_stage_per_rank = schedule_for(P).num_stages == P
+    if D == 1 and F == 1 and T == 1 and len(failed) == 1 and P > 1 and devices_per_proc == 1 and one_stage_per_rank:
         rerouted = _reroute_schedule(schedule_name, P, M, failed[0] % P)
         add(
             "reroute",

@@ -1,6 +1,7 @@
 """The memory ledger, the facts it is predicted from (traced for any model, closed-form for the GPT),
 time costs on hardware profiles, and :func:`estimate`, the prediction every planner shares."""
 
+from jaxmem._util import compiled_bytes as compiled_bytes
 from jaxmem.memory._cost import CPU_LOCKSTEP as CPU_LOCKSTEP
 from jaxmem.memory._cost import CPU_LOCKSTEP_PROCESSES as CPU_LOCKSTEP_PROCESSES
 from jaxmem.memory._cost import HARDWARE as HARDWARE
@@ -14,7 +15,6 @@ from jaxmem.memory._cost import get_hardware as get_hardware
 from jaxmem.memory._cost import gradient_sync_seconds as gradient_sync_seconds
 from jaxmem.memory._cost import shared_core_step_seconds as shared_core_step_seconds
 from jaxmem.memory._cost import shared_core_terms as shared_core_terms
-from jaxmem.memory._cost import simulate_step as simulate_step
 from jaxmem.memory._cost import state_transfer_seconds as state_transfer_seconds
 from jaxmem.memory._cost import step_costs as step_costs
 from jaxmem.memory._facts import ModelFacts as ModelFacts
@@ -25,7 +25,6 @@ from jaxmem.memory._ledger import Bytes as Bytes
 from jaxmem.memory._ledger import Ledger as Ledger
 from jaxmem.memory._ledger import RankLedger as RankLedger
 from jaxmem.memory._ledger import compare as compare
-from jaxmem.memory._ledger import compiled_bytes as compiled_bytes
 from jaxmem.memory._ledger import host_bytes_counted_as_device as host_bytes_counted_as_device
 from jaxmem.memory._ledger import measure as measure
 from jaxmem.memory._ledger import predict as predict

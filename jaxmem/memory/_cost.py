@@ -49,6 +49,9 @@ class Lockstep:
     # cost of one residual byte kept from F to B (packed, written and read back; and on XLA:CPU the
     # unfused forward that materialises it), half charged to the F that stashes it, half to the B
     stash_flops_per_byte: float = 0.0
+    # slowdown exponent of processes beyond the cores: a step takes (processes / cores) ** this longer
+    # (time-slicing; collectives between processes waiting for a core)
+    oversubscription: float = 0.0
 
 
 # Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json): a stashed byte costs
@@ -56,7 +59,7 @@ class Lockstep:
 CPU_LOCKSTEP = Lockstep(step_flops=1.1e8, tick_flops=4.5e7, imbalance=0.77, stash_flops_per_byte=79.0)
 # Fitted by benchmarks/elastic_fit.py (benchmarks/results/elastic_fit.json): one process per rank,
 # gloo exchanges -- each tick costs about 14 ms here.
-CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=3.2e8, tick_flops=2.9e8, imbalance=0.024)
+CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=3.2e8, tick_flops=2.9e8, imbalance=0.024, oversubscription=0.2)
 
 __all__ = [
     "CPU_LOCKSTEP",
@@ -72,7 +75,6 @@ __all__ = [
     "gradient_sync_seconds",
     "shared_core_step_seconds",
     "shared_core_terms",
-    "simulate_step",
     "state_transfer_seconds",
     "step_costs",
 ]
@@ -92,6 +94,8 @@ class Hardware:
             device computes on its own (accelerators). With cores set, step time follows the
             shared-core lockstep model (module docstring).
         lockstep: that model's constants (one process with virtual devices unless replaced).
+        processes: processes the devices are spread over (None: one); more processes than ``cores``
+            slow each step by ``(processes / cores) ** lockstep.oversubscription``.
         link_bandwidth: bytes/s one device sends (and receives) to devices of its own node (NVLink,
             ICI), achieved; None: communication is not priced apart (the CPU profile's lockstep
             constants include the exchanges of its virtual devices).
@@ -107,6 +111,7 @@ class Hardware:
     efficiency: float = 0.5
     cores: int | None = None
     lockstep: Lockstep = CPU_LOCKSTEP
+    processes: int | None = None
     link_bandwidth: float | None = None
     network_bandwidth: float | None = None
     devices_per_node: int = 8
@@ -115,6 +120,12 @@ class Hardware:
     @property
     def flops_per_second(self) -> float:
         return self.peak_flops * self.efficiency
+
+    @property
+    def oversubscribed(self) -> float:
+        """The slowdown of ``processes`` time-slicing ``cores`` cores (1 when they fit)."""
+        n, cores = self.processes, self.cores
+        return (n / cores) ** self.lockstep.oversubscription if cores and n and n > cores else 1.0
 
     def group_bandwidth(self, size: int, stride: int) -> float | None:
         """Bytes/s per device of a collective over ``size`` devices ``stride`` apart in device order
@@ -463,18 +474,19 @@ def estimate(
     from jaxmem.memory._ledger import predict, uses_vocab_split
     from jaxmem.models import get_model
     from jaxmem.pipeline import split_layers
-    from jaxmem.policy import from_spec
+    from jaxmem.policy import resolve
 
     model = get_model(model)
     facts = facts or model_facts(model)
     hardware = get_hardware(hardware)
     counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
+    resolved = resolve(policy, schedule, model.tags)  # once; the ledger and the costs share it
     ledger = None
     if memory:
         ledger = predict(
             model,
             schedule,
-            policy,
+            resolved,
             batch=batch,
             seq=seq,
             data_parallel=data_parallel,
@@ -487,7 +499,6 @@ def estimate(
             facts=facts,
         )
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
-    resolved = from_spec(policy).resolve(schedule, model.tags)
     replicas = data_parallel * fsdp
     mb = batch // (replicas * schedule.num_microbatches)
     active = _active_counts(counts, drop_layers)
@@ -509,7 +520,7 @@ def estimate(
     transfers = state_transfer_seconds(model, schedule, resolved, counts, hardware, facts=facts)
     compute = simulation.makespan
     if hardware.cores:  # the CPU runs the lockstep executor, its devices sharing the cores
-        compute = shared_core_step_seconds(
+        compute = hardware.oversubscribed * shared_core_step_seconds(
             schedule, costs, replicas * tensor, hardware.cores, hardware.flops_per_second, hardware.lockstep
         )
     sync = gradient_sync_seconds(
@@ -561,19 +572,6 @@ def _active_counts(counts, drop_layers) -> list[int]:
     """Layers each stage runs when ``drop_layers`` (global indices) are skipped."""
     starts = [sum(counts[:s]) for s in range(len(counts))]
     return [c - sum(1 for i in range(starts[s], starts[s] + c) if i in drop_layers) for s, c in enumerate(counts)]
-
-
-def simulate_step(model, schedule: Schedule, policy, layer_counts, *, microbatch: int, seq: int, hardware="h100"):
-    """Simulate one step of the schedule under a policy on a hardware profile."""
-    return estimate(
-        model,
-        schedule,
-        policy,
-        batch=microbatch * schedule.num_microbatches,
-        seq=seq,
-        layer_counts=layer_counts,
-        hardware=hardware,
-    ).simulation
 
 
 _CALIBRATED: dict[str, Hardware] = {}

@@ -23,10 +23,11 @@ model carries it (``StagedModel.analytic``); tests check it against the traced f
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 
 import numpy as np
+
+from jaxmem._util import tree_bytes
 
 __all__ = ["ModelFacts", "StageFacts", "StaticBytes", "TensorFacts", "model_facts"]
 
@@ -80,6 +81,10 @@ class StageFacts:
         forward_flops: FLOPs of the forward.
         backward_flops: FLOPs of the backward, recompute included.
         recompute_flops: FLOPs the backward spends recomputing what the policy did not keep.
+        inner_bytes: the largest working set inside an op a layer rematerialises on its own (a
+            ``jax.checkpoint`` in the model, e.g. :func:`~jaxmem.models.fused_attention`): untagged,
+            so not in ``full_bytes``, but live while the backward re-runs it -- one op's, not a sum
+            (the liveness peak of its traced body, in program order).
     """
 
     stash_elems: dict
@@ -87,6 +92,7 @@ class StageFacts:
     forward_flops: float
     backward_flops: float
     recompute_flops: float
+    inner_bytes: float = 0.0
 
     def stash_bytes(self, space: str | None = None) -> float:
         return sum(n * np.dtype(k[0]).itemsize for k, n in self.stash_elems.items() if space in (None, k[1]))
@@ -98,6 +104,7 @@ class StageFacts:
             self.forward_flops * factor,
             self.backward_flops * factor,
             self.recompute_flops * factor,
+            self.inner_bytes * factor,
         )
 
     def combine(self, other: StageFacts, a: float, b: float) -> StageFacts:
@@ -110,6 +117,7 @@ class StageFacts:
             a * self.forward_flops + b * other.forward_flops,
             a * self.backward_flops + b * other.backward_flops,
             a * self.recompute_flops + b * other.recompute_flops,
+            a * self.inner_bytes + b * other.inner_bytes,
         )
 
 
@@ -117,12 +125,6 @@ def _is_leaf_placement(x) -> bool:
     from jaxmem.pipeline import LeafPlacement
 
     return isinstance(x, LeafPlacement)
-
-
-def _tree_bytes(tree) -> int:
-    import jax
-
-    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
 class ModelFacts:
@@ -144,8 +146,8 @@ class ModelFacts:
         layers, shared = model.split(abstract)
         self._layer = layers[0]
         self._shared = shared
-        self.layer_bytes = _tree_bytes(layers[0])
-        self.shared_bytes = _tree_bytes(shared)
+        self.layer_bytes = tree_bytes(layers[0])
+        self.shared_bytes = tree_bytes(shared)
         self.param_itemsize = max(np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract))
         self._cache: dict = {}
 
@@ -167,7 +169,7 @@ class ModelFacts:
         return self._cache[key]
 
     def message_bytes(self, microbatch: int, seq: int) -> int:
-        return _tree_bytes(self.message(microbatch, seq))
+        return tree_bytes(self.message(microbatch, seq))
 
     def stage_param_bytes(self, layers: int) -> float:
         return layers * self.layer_bytes
@@ -316,7 +318,7 @@ class ModelFacts:
     def stage_shared_bytes(self, vocab: bool = False) -> float:
         """Bytes of the shared parameters a stage takes (without the vocabulary tables when they are
         split over the ranks)."""
-        return float(_tree_bytes(self._stage_shared(vocab)))
+        return float(tree_bytes(self._stage_shared(vocab)))
 
     def _stage_shared(self, vocab: bool):
         """The shared parameters a stage function takes: without the tables when they are split."""
@@ -398,6 +400,7 @@ class ModelFacts:
             forward,
             backward,
             max(backward - full_backward, 0.0),
+            float(_inner_peak(plan.closed.jaxpr)),
         )
 
     def _flops(self, plan, stage, x, seq, vocab=False) -> tuple[float, float]:
@@ -420,6 +423,26 @@ class ModelFacts:
 
         backward = _cost_flops(jax.jit(backward_fn).lower(stage, shared, batch, packed, ct))
         return forward, backward
+
+
+def _inner_peak(jaxpr) -> int:
+    """The largest program-order liveness peak of a rematerialised op's body in ``jaxpr`` (its
+    inputs free: they are counted where they live), looked for in nested calls too; 0 when the
+    model rematerialises nothing on its own."""
+    from jaxmem.roam import build_graph, peak
+
+    best = 0
+    for eqn in jaxpr.eqns:
+        body = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in eqn.params), None)
+        if body is None:
+            continue
+        body = getattr(body, "jaxpr", body)
+        if eqn.primitive.name.startswith("remat") or eqn.primitive.name == "checkpoint":
+            graph = build_graph(body, inputs_are_free=True)
+            best = max(best, peak(graph, list(range(graph.num_ops))).peak)
+        else:
+            best = max(best, _inner_peak(body))
+    return best
 
 
 def _cost_flops(lowered) -> float:

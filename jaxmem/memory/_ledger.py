@@ -21,7 +21,8 @@ import functools
 
 import numpy as np
 
-from jaxmem.policy import from_spec
+from jaxmem._util import compiled_bytes
+from jaxmem.policy import resolve
 
 __all__ = [
     "BACKWARD_WORKSET",
@@ -127,7 +128,7 @@ def predict(
     Args:
         model: a StagedModel, preset name or config.
         schedule: any valid schedule.
-        policy: a policy spec (save-all when None).
+        policy: a policy spec (save-all when None), or a ResolvedPolicy for this schedule.
         batch, seq: global batch (sequences) and sequence length.
         data_parallel: data-parallel replicas holding whole parameters.
         fsdp: data-parallel replicas holding a shard of each parameter (FSDP).
@@ -151,7 +152,7 @@ def predict(
 
     model = get_model(model)
     facts = facts or model_facts(model)
-    resolved = from_spec(policy).resolve(schedule, model.tags)
+    resolved = resolve(policy, schedule, model.tags)
     counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
     M = schedule.num_microbatches
     replicas = data_parallel * fsdp
@@ -184,7 +185,7 @@ def predict(
     optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
-    class_sizes, full_volume, recomputed, item, kept_cut = {}, 0.0, 0.0, 0.0, 0.0
+    class_sizes, full_volume, recomputed, item, kept_cut, inner = {}, 0.0, 0.0, 0.0, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]
         stage = facts.stage(
@@ -205,6 +206,7 @@ def predict(
         recomputed_cut = max(part.full * stage.full_bytes - part.stash * stage.stash_bytes(), 0.0)
         recomputed = max(recomputed, stage.full_bytes - stage.stash_bytes() - recomputed_cut * shrink)
         item = max(item, stage.stash_bytes("device") * (1 - part.stash))
+        inner = max(inner, stage.inner_bytes)
         kept_cut = max(kept_cut, part.stash * stage.stash_bytes("device") * shrink)
     # The layout's cache key, compact: the distinct classes with their sizes, and each cell's class index.
     classes = tuple(class_sizes)
@@ -216,7 +218,8 @@ def predict(
     )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // replicas) * seq * 4
-    working = BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed
+    # An op the model rematerialises on its own (fused attention) runs again inside the backward.
+    working = BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed + inner
     # Fitted like the constants: a residual kept as shares shrinks by 1/tensor itself, the working
     # set the backward builds around it (the rest of BACKWARD_WORKSET) does not.
     working += (BACKWARD_WORKSET - 1) * kept_cut
@@ -325,18 +328,6 @@ def _array_bytes(tree) -> Bytes:
         on_host = "host" in str(getattr(sharding, "memory_kind", None) or "")
         total = total + (Bytes(0, size) if on_host else Bytes(size, 0))
     return total
-
-
-def compiled_bytes(compiled) -> int:
-    """Device bytes of a compiled program: ``memory_analysis()``'s arguments + temporaries + outputs,
-    less what outputs alias from arguments."""
-    analysis = compiled.memory_analysis()
-    return int(
-        analysis.argument_size_in_bytes
-        + analysis.temp_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-    )
 
 
 def host_bytes_counted_as_device(tick, params=None, opt_state=None) -> float:

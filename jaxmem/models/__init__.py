@@ -1,6 +1,7 @@
 """The model interface (:class:`StagedModel`, :func:`from_nnx`) and the built-in models: a GPT and a
 Llama-style decoder in Flax NNX, with ``checkpoint_name`` tags on their activations."""
 
+from jaxmem.models._interface import ATTENTION as ATTENTION
 from jaxmem.models._interface import AXIS_RULES as AXIS_RULES
 from jaxmem.models._interface import EMBED_KEY as EMBED_KEY
 from jaxmem.models._interface import HEAD_KEY as HEAD_KEY
@@ -10,6 +11,7 @@ from jaxmem.models._interface import StagedModel as StagedModel
 from jaxmem.models._interface import VocabParallel as VocabParallel
 from jaxmem.models._interface import batch_positions as batch_positions
 from jaxmem.models._interface import from_nnx as from_nnx
+from jaxmem.models._interface import fused_attention as fused_attention
 from jaxmem.models._interface import layer_batch as layer_batch
 from jaxmem.models._interface import make_batch as make_batch
 from jaxmem.models._interface import microbatch_key as microbatch_key

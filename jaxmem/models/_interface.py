@@ -35,6 +35,7 @@ from jaxmem._util import tree_without as _without
 from jaxmem.policy import TagSet
 
 __all__ = [
+    "ATTENTION",
     "AXIS_RULES",
     "ParamAxes",
     "StagedModel",
@@ -43,6 +44,7 @@ __all__ = [
     "check_config",
     "dtype_name",
     "from_nnx",
+    "fused_attention",
     "make_batch",
     "named_softmax",
     "token_loss",
@@ -69,9 +71,15 @@ def dtype_name(value, where: str) -> str:
     return dtype.name
 
 
+# How a built-in model computes attention: ``materialized`` (the s x s probabilities are a tagged tensor
+# a policy keeps or recomputes) or ``fused`` (:func:`fused_attention`: none kept for the backward).
+ATTENTION = ("materialized", "fused")
+
+
 def check_config(config, positive: Sequence[str]) -> None:
-    """The checks every model configuration shares: ``positive`` fields are integers >= 1, and
-    ``dtype`` / ``param_dtype`` become canonical floating dtype names (on a frozen dataclass)."""
+    """The checks every model configuration shares: ``positive`` fields are integers >= 1, ``dtype`` /
+    ``param_dtype`` become canonical floating dtype names (on a frozen dataclass), and ``attention``
+    (where the config has one) is one of :data:`ATTENTION`."""
     kind = type(config).__name__
     for field in positive:
         value = getattr(config, field)
@@ -79,6 +87,26 @@ def check_config(config, positive: Sequence[str]) -> None:
             raise JaxmemError(f"{kind}.{field} must be an integer >= 1, got {value!r}")
     for field in ("dtype", "param_dtype"):
         object.__setattr__(config, field, dtype_name(getattr(config, field), f"{kind}.{field}"))
+    attention = getattr(config, "attention", ATTENTION[0])
+    if attention not in ATTENTION:
+        raise JaxmemError(f"{kind}.attention is materialized or fused (--attention), got {attention!r}")
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of ``q`` ``[batch, seq, heads, head_dim]`` over ``k``, ``v`` ``[batch, seq,
+    kv_heads, head_dim]`` (grouped-query when ``kv_heads < heads``) as one op:
+    :func:`jax.nn.dot_product_attention`, the kernel left to XLA (cuDNN's flash attention on GPUs
+    that have it, plain XLA ops elsewhere). Its s x s probabilities are never kept for the backward:
+    the op is rematerialised as a whole (``jax.checkpoint`` saving nothing inside), so the backward
+    reads only ``q``, ``k``, ``v`` -- what a flash kernel does, which recomputes the probabilities
+    blockwise. The price: one more attention forward in the backward, as a flash kernel pays it.
+
+    >>> x = jnp.ones((1, 4, 2, 8))
+    >>> fused_attention(x, x[:, :, :1], x[:, :, :1]).shape
+    (1, 4, 2, 8)
+    """
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True)
+    return jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)(q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

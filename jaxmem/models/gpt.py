@@ -20,12 +20,24 @@ from jaxmem.models._interface import (
     VocabParallel,
     check_config,
     from_nnx,
+    fused_attention,
     named_softmax,
     token_loss,
 )
 from jaxmem.policy import TagSet
 
-__all__ = ["GPT", "GPTConfig", "GPT_TAGS", "HEAD_TAGS", "PRESETS", "TAGS", "Block", "cross_entropy", "gpt"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "GPT_FUSED_TAGS",
+    "GPT_TAGS",
+    "HEAD_TAGS",
+    "PRESETS",
+    "TAGS",
+    "Block",
+    "cross_entropy",
+    "gpt",
+]
 
 # Named activations of one block, in the order the forward produces them.
 TAGS = (
@@ -43,6 +55,8 @@ TAGS = (
 )
 HEAD_TAGS = ("logits",)  # the last stage's output projection, before the softmax
 GPT_TAGS = TagSet(TAGS + HEAD_TAGS, groups=(("quadratic", ("attn_probs",)),))
+# With fused attention no s x s tensor exists to keep: nothing per-token-quadratic is tagged.
+GPT_FUSED_TAGS = TagSet(tuple(t for t in TAGS if t != "attn_probs") + HEAD_TAGS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +74,8 @@ class GPTConfig:
         dtype: compute dtype of activations (``bfloat16`` for mixed precision).
         param_dtype: dtype of the parameters, their gradients and the optimizer state (the master
             weights; ``float32`` by default whatever the compute dtype).
+        attention: ``materialized`` (the probabilities are a tagged tensor, ``attn_probs``) or ``fused``
+            (:func:`~jaxmem.models.fused_attention`: no s x s tensor kept for the backward).
     """
 
     vocab_size: int = 256
@@ -71,6 +87,7 @@ class GPTConfig:
     tied_head: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
+    attention: str = "materialized"
 
     def __post_init__(self):
         check_config(self, ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_layers"))
@@ -106,7 +123,7 @@ class Block(nnx.Module):
         kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.param_dtype), "rngs": rngs}
         init = nnx.initializers.normal(0.02)
         proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layers))
-        self.n_heads = config.n_heads
+        self.n_heads, self.fused = config.n_heads, config.attention == "fused"
         self.ln1 = nnx.LayerNorm(d, **kw)
         # A tensor axis cuts the MLP Megatron's way (columns of fc, rows of out). The fused qkv is
         # kept whole: its [q | k | v] column order would cut across heads, not between them.
@@ -126,12 +143,15 @@ class Block(nnx.Module):
         q = checkpoint_name(q.reshape(batch, seq, heads, d // heads), "q")
         k = checkpoint_name(k.reshape(batch, seq, heads, d // heads), "k")
         v = checkpoint_name(v.reshape(batch, seq, heads, d // heads), "v")
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        # Softmax in float32; its backward reads the tagged probabilities (saved or recomputed by policy).
-        probs = named_softmax(scores, "attn_probs")
-        attended = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d), "attn_ctx")
+        if self.fused:
+            attended = checkpoint_name(fused_attention(q, k, v).reshape(batch, seq, d), "attn_ctx")
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
+            causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+            scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+            # Softmax in float32; its backward reads the tagged probabilities (saved or recomputed by policy).
+            probs = named_softmax(scores, "attn_probs")
+            attended = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d), "attn_ctx")
         x = x + checkpoint_name(self.proj(attended), "attn_out")
         h = checkpoint_name(self.ln2(x), "mlp_in")
         pre = checkpoint_name(self.fc(h), "mlp_pre")
@@ -226,13 +246,13 @@ def gpt(config: GPTConfig, name: str = "gpt") -> StagedModel:
         layers="blocks",
         embed=embed,
         head_loss=head_loss,
-        tags=GPT_TAGS,
+        tags=GPT_FUSED_TAGS if config.attention == "fused" else GPT_TAGS,
         loss=loss,
         name=name,
         vocab_size=config.vocab_size,
         max_seq_len=config.max_seq_len,
         config=config,
-        analytic=config,
+        analytic=None if config.attention == "fused" else config,  # the closed form is of materialized attention
         logits=lambda module, batch: module(batch["tokens"]),
         vocab=vocab,
     )

@@ -26,12 +26,13 @@ from jaxmem.models._interface import (
     batch_positions,
     check_config,
     from_nnx,
+    fused_attention,
     named_softmax,
     token_loss,
 )
 from jaxmem.policy import TagSet
 
-__all__ = ["LLAMA_TAGS", "Llama", "LlamaBlock", "LlamaConfig", "PRESETS", "llama", "rope"]
+__all__ = ["LLAMA_FUSED_TAGS", "LLAMA_TAGS", "Llama", "LlamaBlock", "LlamaConfig", "PRESETS", "llama", "rope"]
 
 LLAMA_TAGS = TagSet(
     (
@@ -51,6 +52,8 @@ LLAMA_TAGS = TagSet(
     ),
     groups=(("quadratic", ("attn_probs",)),),
 )
+# With fused attention no s x s tensor exists to keep: nothing per-token-quadratic is tagged.
+LLAMA_FUSED_TAGS = TagSet(tuple(t for t in LLAMA_TAGS.names if t != "attn_probs"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +73,8 @@ class LlamaConfig:
         tied_head: reuse the token embedding as the output projection.
         dtype: compute dtype (``bfloat16`` for mixed precision).
         param_dtype: dtype of the parameters, gradients and optimizer state (master weights).
+        attention: ``materialized`` (the probabilities are a tagged tensor, ``attn_probs``) or ``fused``
+            (:func:`~jaxmem.models.fused_attention`: no s x s tensor kept for the backward).
     """
 
     vocab_size: int = 256
@@ -84,6 +89,7 @@ class LlamaConfig:
     tied_head: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
+    attention: str = "materialized"
 
     def __post_init__(self):
         check_config(self, ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_kv_heads", "n_layers"))
@@ -160,6 +166,7 @@ class LlamaBlock(nnx.Module):
         kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.param_dtype), "rngs": rngs}
         init = nnx.initializers.normal(0.02)
         self.n_heads, self.n_kv_heads, self.rope_theta = config.n_heads, config.n_kv_heads, config.rope_theta
+        self.fused = config.attention == "fused"
         self.attn_norm = nnx.RMSNorm(d, epsilon=config.norm_eps, **kw)
         # Megatron's split for a tensor axis: whole heads and the MLP's hidden units. Annotations
         # only (eager_sharding=False): the module still builds outside a mesh, e.g. from an export.
@@ -184,14 +191,17 @@ class LlamaBlock(nnx.Module):
         q = checkpoint_name(rope(self.wq(h).reshape(batch, seq, heads, hd), positions, self.rope_theta), "q")
         k = checkpoint_name(rope(self.wk(h).reshape(batch, seq, kv_heads, hd), positions, self.rope_theta), "k")
         v = checkpoint_name(self.wv(h).reshape(batch, seq, kv_heads, hd), "v")
-        # Grouped-query attention without repeating k and v: queries grouped per kv head.
-        grouped = q.reshape(batch, seq, kv_heads, group, hd)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        # Softmax in float32; its backward reads the tagged probabilities (saved or recomputed by policy).
-        probs = named_softmax(scores, "attn_probs")
-        context = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(batch, seq, d)
+        if self.fused:
+            context = fused_attention(q, k, v).reshape(batch, seq, d)
+        else:
+            # Grouped-query attention without repeating k and v: queries grouped per kv head.
+            grouped = q.reshape(batch, seq, kv_heads, group, hd)
+            scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k) / math.sqrt(hd)
+            causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+            scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+            # Softmax in float32; its backward reads the tagged probabilities (saved or recomputed by policy).
+            probs = named_softmax(scores, "attn_probs")
+            context = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(batch, seq, d)
         x = x + checkpoint_name(self.wo(checkpoint_name(context, "attn_ctx")), "attn_out")
         h = checkpoint_name(self.mlp_norm(x), "mlp_in")
         gate = checkpoint_name(self.w_gate(h), "mlp_gate")
@@ -262,7 +272,7 @@ def llama(config: LlamaConfig, name: str = "llama") -> StagedModel:
         embed=lambda module, batch: module.embed(batch["tokens"]),
         head_loss=lambda module, x, batch: token_loss(module.logits(x), batch),
         call_layer=layer,
-        tags=LLAMA_TAGS,
+        tags=LLAMA_FUSED_TAGS if config.attention == "fused" else LLAMA_TAGS,
         loss=loss,
         name=name,
         vocab_size=config.vocab_size,

@@ -4,7 +4,6 @@ from jaxmem.pipeline._cut import TensorCut as TensorCut
 from jaxmem.pipeline._cut import analyze_cut as analyze_cut
 from jaxmem.pipeline._cut import cut_dims as cut_dims
 from jaxmem.pipeline._executor import Pipeline as Pipeline
-from jaxmem.pipeline._executor import PipelineParams as PipelineParams
 from jaxmem.pipeline._executor import batch_spec as batch_spec
 from jaxmem.pipeline._executor import make_mesh as make_mesh
 from jaxmem.pipeline._placement import AXES as AXES
@@ -19,6 +18,8 @@ from jaxmem.pipeline._residuals import ResidualPlan as ResidualPlan
 from jaxmem.pipeline._residuals import analyze_stage as analyze_stage
 from jaxmem.pipeline._residuals import emitted_tags as emitted_tags
 from jaxmem.pipeline._split import ParamLayout as ParamLayout
+from jaxmem.pipeline._split import PipelineParams as PipelineParams
+from jaxmem.pipeline._split import balanced_layers as balanced_layers
 from jaxmem.pipeline._split import split_layers as split_layers
 from jaxmem.pipeline._split import stage_forward as stage_forward
 from jaxmem.pipeline._split import vocab_size as vocab_size

@@ -21,6 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal, Var
 
+from jaxmem.pipeline._placement import TENSOR
+from jaxmem.pipeline._residuals import flat_pack, flat_unpack
+
 __all__ = ["CutArena", "TensorCut", "analyze_cut", "as_rows", "cut_dims"]
 
 
@@ -189,8 +192,6 @@ def as_rows(vec, tensor: int):
     tensor device ``t``."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxmem.pipeline._placement import TENSOR
-
     rows = -(-vec.shape[0] // tensor)
     if rows * tensor != vec.shape[0]:
         vec = jnp.concatenate([vec, jnp.zeros((rows * tensor - vec.shape[0],), vec.dtype)])
@@ -244,21 +245,16 @@ class CutArena:
     def _rows(self, vec):
         from jax.sharding import PartitionSpec as P
 
-        from jaxmem.pipeline._placement import TENSOR
-
         return jax.lax.with_sharding_constraint(vec, P(TENSOR, None))
 
     def _along(self, value, d: int):
         from jax.sharding import PartitionSpec as P
-
-        from jaxmem.pipeline._placement import TENSOR
 
         return jax.lax.with_sharding_constraint(value, P(*[TENSOR if i == d else None for i in range(value.ndim)]))
 
     def pack(self, key, parts, pin=None):
         """A forward's residuals of one buffer ``[(leaf, value), ...]``: ``[tensor, columns]`` for a
         cut buffer, the flat vector otherwise."""
-        from jaxmem.pipeline._residuals import flat_pack
 
         if key not in self.cut_keys:
             return flat_pack(parts, pin)
@@ -279,7 +275,6 @@ class CutArena:
         """``unpack(leaf, slot)`` for :meth:`~jaxmem.pipeline.ResidualPlan.pullback`: a residual read
         back from its buffer's slot (``[tensor, columns]`` for a cut buffer), its whole part gathered
         once per buffer."""
-        from jaxmem.pipeline._residuals import flat_unpack
 
         gathered = {}
         t = self.tensor

@@ -16,7 +16,6 @@ counted tokens of the whole batch, however it is microbatched or masked.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -27,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models import RNG_SPEC, StagedModel, microbatch_key, stage_key
+from jaxmem.models import RNG_SPEC, StagedModel, get_model, microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
 from jaxmem.pipeline._cut import CutArena, as_rows
 from jaxmem.pipeline._placement import (
@@ -41,7 +40,7 @@ from jaxmem.pipeline._placement import (
     placement_of,
 )
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
-from jaxmem.pipeline._split import ParamLayout, split_layers, stage_forward
+from jaxmem.pipeline._split import ParamLayout, PipelineParams, split_layers, stage_forward
 from jaxmem.pipeline._split import vocab_size as _vocab_size
 from jaxmem.pipeline._ticks import (
     COLUMNS,
@@ -52,10 +51,10 @@ from jaxmem.pipeline._ticks import (
     stash_cut,
     stash_rows,
 )
-from jaxmem.policy import ResolvedPolicy, from_spec
+from jaxmem.policy import ResolvedPolicy, resolve
 from jaxmem.schedule import Kind, Schedule, validate
 
-__all__ = ["Pipeline", "PipelineParams", "batch_spec", "make_mesh", "varying_axes"]
+__all__ = ["Pipeline", "batch_spec", "make_mesh", "varying_axes"]
 
 HOST = "pinned_host"
 
@@ -100,29 +99,6 @@ def _normalize_mesh(mesh: Mesh) -> Mesh:
         shape = dict(zip(names, mesh.devices.shape))
         return Mesh(mesh.devices.reshape(shape["data"], 1, shape["pipe"]), AXES)
     raise JaxmemError(f"the mesh axes must be {MESH_AXES} (see jaxmem.pipeline.make_mesh), got {names}")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PipelineParams:
-    """Model parameters laid out for the pipeline.
-
-    Attributes:
-        stages: one dict per local stage position ``v``; leaves ``[ranks, max layers, ...]`` sharded
-            over ``pipe`` on the first axis (rank r's v-th stage).
-        shared: the model's parameters outside its layers (embeddings, final norm, head), used by the
-            first and last stages.
-        vocab: with the vocabulary split over the ranks (:class:`~jaxmem.models.VocabParallel`), the
-            token embedding (``table``) and the untied head (``head``, transposed) as ``[ranks, vocab /
-            ranks, d]``, sharded over ``pipe`` (and then absent from ``shared``); else empty.
-
-    How each leaf is cut over the mesh (and its optimizer state, and the step's gradients) is its
-    :class:`~jaxmem.pipeline.Placement`.
-    """
-
-    stages: tuple
-    shared: dict
-    vocab: dict = dataclasses.field(default_factory=dict)
 
 
 def varying_axes(x) -> frozenset:
@@ -233,7 +209,6 @@ class Pipeline:
         zero: bool = True,
         vocab_parallel: bool | None = None,
     ):
-        from jaxmem.models import get_model
 
         validate(schedule)
         mesh = _normalize_mesh(mesh)
@@ -250,7 +225,7 @@ class Pipeline:
         self.schedule = schedule
         self.mesh = mesh
         self.layer_counts = split_layers(self.model.n_layers, schedule.num_stages, layer_counts)
-        self.policy: ResolvedPolicy = from_spec(policy).resolve(schedule, self.model.tags)
+        self.policy: ResolvedPolicy = resolve(policy, schedule, self.model.tags)
         self.virtual = per_rank.pop()
         self.drop_layers = frozenset(drop_layers)
         self.zero = bool(zero)

@@ -33,6 +33,10 @@ import math
 
 import numpy as np
 
+from jaxmem._util import tree_without
+from jaxmem.models import ParamAxes
+from jaxmem.pipeline._split import PipelineParams
+
 __all__ = ["AXES", "MESH_AXES", "TENSOR", "LeafPlacement", "Placement", "layout_axes", "place_leaf", "placement_of"]
 
 AXES = ("data", "fsdp", "pipe")  # manual inside the executor's shard_map
@@ -211,10 +215,6 @@ def layout_axes(model, virtual: int, vocab: bool):
     if model.axes is None:
         return None
     import jax
-
-    from jaxmem._util import tree_without
-    from jaxmem.models import ParamAxes
-    from jaxmem.pipeline._executor import PipelineParams
 
     layers, shared = model.split(model.axes)
     per_layer = jax.tree.map(lambda a: ParamAxes((None, None, *a.axes), a.unit), layers[0])

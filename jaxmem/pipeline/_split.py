@@ -16,6 +16,8 @@ from jaxmem.pipeline._vocab import join_vocab, split_vocab, with_vocab_placehold
 
 __all__ = [
     "ParamLayout",
+    "PipelineParams",
+    "balanced_layers",
     "split_layers",
     "stack_stage_params",
     "stage_forward",
@@ -26,6 +28,16 @@ __all__ = [
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def balanced_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """Layers per stage as even as they go, the first stages taking one more where they do not divide.
+
+    >>> balanced_layers(8, 3)
+    (3, 3, 2)
+    """
+    base, extra = divmod(n_layers, n_stages)
+    return tuple(base + (i < extra) for i in range(n_stages))
 
 
 def split_layers(n_layers: int, n_stages: int, layer_counts: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -50,8 +62,7 @@ def split_layers(n_layers: int, n_stages: int, layer_counts: Sequence[int] | Non
         return counts
     if n_layers % n_stages:
         ok = ", ".join(str(d) for d in _divisors(n_layers))
-        base, extra = divmod(n_layers, n_stages)
-        example = ",".join(str(base + (i < extra)) for i in range(n_stages))
+        example = ",".join(map(str, balanced_layers(n_layers, n_stages)))
         raise JaxmemError(
             f"{n_layers} layers do not split evenly over {n_stages} stages; stage counts that divide "
             f"{n_layers}: {ok} (stages = pipeline ranks x virtual stages per rank), or give the layers of each "
@@ -216,3 +227,26 @@ class ParamLayout:
 def vocab_size(model) -> int:
     """Rows of the model's token embedding (its :class:`~jaxmem.models.VocabParallel` table)."""
     return int(tree_get(model.split(model.abstract_params())[1], model.vocab.table).shape[0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PipelineParams:
+    """Model parameters laid out for the pipeline.
+
+    Attributes:
+        stages: one dict per local stage position ``v``; leaves ``[ranks, max layers, ...]`` sharded
+            over ``pipe`` on the first axis (rank r's v-th stage).
+        shared: the model's parameters outside its layers (embeddings, final norm, head), used by the
+            first and last stages.
+        vocab: with the vocabulary split over the ranks (:class:`~jaxmem.models.VocabParallel`), the
+            token embedding (``table``) and the untied head (``head``, transposed) as ``[ranks, vocab /
+            ranks, d]``, sharded over ``pipe`` (and then absent from ``shared``); else empty.
+
+    How each leaf is cut over the mesh (and its optimizer state, and the step's gradients) is its
+    :class:`~jaxmem.pipeline.Placement`.
+    """
+
+    stages: tuple
+    shared: dict
+    vocab: dict = dataclasses.field(default_factory=dict)

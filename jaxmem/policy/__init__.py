@@ -17,3 +17,4 @@ from jaxmem.policy._policy import StagePolicy as StagePolicy
 from jaxmem.policy._policy import TagSet as TagSet
 from jaxmem.policy._policy import from_spec as from_spec
 from jaxmem.policy._policy import microbatch_classes as microbatch_classes
+from jaxmem.policy._policy import resolve as resolve

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxmem.policy._policy import PRESETS, Policy
+from jaxmem.schedule import simulate
 
 __all__ = ["ChronosChoice", "Move", "chronos_policy", "reuse_distances"]
 
@@ -38,13 +39,11 @@ CELL_POLICIES = {
     "recompute-all": PRESETS["recompute-all"],
 }
 RECOMP_MOVES = ("selective", "recompute-all")
-OFFLOAD_MOVES = ("offload-stash", "optimizer-state", "weights")
+OFFLOAD_MOVES = ("offload-stash", "offload-optimizer-state", "offload-weights")
 
 
 def reuse_distances(schedule, costs) -> list[tuple[float, int, int]]:
     """``(wait, stage, microbatch)`` for every cell, longest wait first."""
-    from jaxmem.schedule import simulate
-
     result = simulate(schedule, costs)
     cells = [
         (result.reuse_distance(s, m), s, m)
@@ -75,7 +74,9 @@ class ChronosChoice:
 
     def describe(self) -> str:
         parts = [
-            f"{name} on {n} cells" for name, n in self.cells.items() if n and name not in ("optimizer-state", "weights")
+            f"{name} on {n} cells"
+            for name, n in self.cells.items()
+            if n and name not in ("offload-optimizer-state", "offload-weights")
         ]
         if self.optimizer_state_on_host:
             parts.append("optimizer state on host")
@@ -121,17 +122,19 @@ def chronos_policy(
     order = reuse_distances(schedule, costs)
     moves = sorted(moves, key=lambda m: m.seconds_per_byte)
     cell_level: dict[tuple[int, int], str] = {}
-    flags = {"optimizer-state": False, "weights": False}
+    flags = {"offload-optimizer-state": False, "offload-weights": False}
     applied: dict[str, int] = {}
 
     def build(levels: dict, state: dict) -> Policy:
         stage_base = dataclasses.replace(
-            SAVE, offload_optimizer_state=state["optimizer-state"], offload_weights=state["weights"]
+            SAVE, offload_optimizer_state=state["offload-optimizer-state"], offload_weights=state["offload-weights"]
         )
         stages = tuple((s, stage_base) for s in range(schedule.num_stages)) if stage_base != SAVE else ()
         placed = {
             level: dataclasses.replace(
-                CELL_POLICIES[level], offload_optimizer_state=state["optimizer-state"], offload_weights=state["weights"]
+                CELL_POLICIES[level],
+                offload_optimizer_state=state["offload-optimizer-state"],
+                offload_weights=state["offload-weights"],
             )
             for level in set(levels.values())
         }
@@ -148,7 +151,12 @@ def chronos_policy(
             policy = build(cell_level, flags)
             if device_bytes(policy) <= budget:
                 return ChronosChoice(
-                    policy, applied, flags["optimizer-state"], flags["weights"], device_bytes(policy), True
+                    policy,
+                    applied,
+                    flags["offload-optimizer-state"],
+                    flags["offload-weights"],
+                    device_bytes(policy),
+                    True,
                 )
             continue
         if move.name == "offload-stash":
@@ -175,9 +183,11 @@ def chronos_policy(
             applied[move.name] = k
             policy = build(cell_level, flags)
             return ChronosChoice(
-                policy, applied, flags["optimizer-state"], flags["weights"], device_bytes(policy), True
+                policy, applied, flags["offload-optimizer-state"], flags["offload-weights"], device_bytes(policy), True
             )
         cell_level = with_k(len(targets))
         applied[move.name] = len(targets)
     policy = build(cell_level, flags)
-    return ChronosChoice(policy, applied, flags["optimizer-state"], flags["weights"], device_bytes(policy), False)
+    return ChronosChoice(
+        policy, applied, flags["offload-optimizer-state"], flags["offload-weights"], device_bytes(policy), False
+    )

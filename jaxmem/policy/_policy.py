@@ -34,6 +34,7 @@ __all__ = [
     "TagSet",
     "from_spec",
     "microbatch_classes",
+    "resolve",
 ]
 
 
@@ -507,6 +508,20 @@ def _stage_policy_from(value, where: str, enclosing: StagePolicy | None = None) 
         sp = sp.with_decisions(decisions)
         return dataclasses.replace(sp, **{k: bool(value[k]) for k in FLAGS if k in value})
     raise PolicyError(f"{where}: a stage policy is a preset name or a table, got {type(value).__name__}")
+
+
+def resolve(spec, schedule, tags: TagSet) -> ResolvedPolicy:
+    """A policy spec (anything :func:`from_spec` takes) checked against ``schedule`` and a model's
+    ``tags``; a :class:`ResolvedPolicy` passes through (checked to be for a schedule of that shape),
+    so a caller that resolved once hands the result down instead of resolving again."""
+    if isinstance(spec, ResolvedPolicy):
+        if (spec.num_stages, spec.num_microbatches) != (schedule.num_stages, schedule.num_microbatches):
+            raise PolicyError(
+                f"policy {spec.policy.name} was resolved for {spec.num_stages} stages x {spec.num_microbatches} "
+                f"microbatches, not this schedule's {schedule.num_stages} x {schedule.num_microbatches}"
+            )
+        return spec
+    return from_spec(spec).resolve(schedule, tags)
 
 
 def from_spec(spec) -> Policy:

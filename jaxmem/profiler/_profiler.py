@@ -48,8 +48,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 
 from jaxmem._errors import JaxmemError
+from jaxmem.memory import compiled_bytes, estimate, get_hardware, host_bytes_counted_as_device
 
-__all__ = ["AdaptiveProfiler", "BudgetError", "SignatureRecord", "LADDER"]
+__all__ = ["LADDER", "AdaptiveProfiler", "BudgetError", "SignatureRecord", "choose_policy", "escalate_policy"]
 
 LADDER = ("save-all", "selective", "recompute-all", "offload-stash")
 # XLA:CPU does not lower host offload, so on CPU only recompute really lowers device memory.
@@ -63,6 +64,43 @@ class BudgetError(JaxmemError):
     def __init__(self, message: str, deficit: int):
         super().__init__(message)
         self.deficit = deficit
+
+
+def choose_policy(predictions: dict, budget: float, *, margin: float = 1.0, neighbour=None, what: str = "") -> str:
+    """The policy the profiler compiles first for a signature: of ``predictions`` (policy -> (device
+    bytes, expected seconds, simulated seconds), in ladder order), the fastest expected whose bytes x
+    ``margin`` (compiled / predicted, learned) fit ``budget``; among equals the ``neighbour``'s (the
+    choice for the nearest known signature), then the earlier on the ladder. A pure function: no
+    compile, no state.
+
+    >>> choose_policy({"save-all": (9, 1.0, 1.0), "selective": (5, 1.1, 1.1)}, 6)
+    'selective'
+    """
+    ladder = list(predictions)
+    fitting = [p for p in ladder if predictions[p][0] * margin <= budget]
+    if not fitting:
+        smallest = min(b for b, *_ in predictions.values())
+        raise BudgetError(
+            f"no policy fits {budget / 2**20:,.1f} MiB per device for {what}: the smallest prediction is "
+            f"{smallest / 2**20:,.1f} MiB ({(smallest - budget) / 2**20:,.1f} MiB short)",
+            int(smallest - budget),
+        )
+    return min(fitting, key=lambda p: (round(predictions[p][1], 9), p != neighbour, ladder.index(p)))
+
+
+def escalate_policy(predictions: dict, budget: float, choice: str, measured: float, *, what: str = "") -> str:
+    """After ``choice`` compiled to ``measured`` bytes over ``budget``: the fastest policy further up
+    the ladder whose prediction, scaled by that miss (measured / predicted), fits; else a BudgetError."""
+    ladder = list(predictions)
+    ratio = measured / predictions[choice][0]
+    later = [p for p in ladder[ladder.index(choice) + 1 :] if predictions[p][0] * ratio <= budget]
+    if not later:
+        raise BudgetError(
+            f"{choice} compiled to {measured / 2**20:,.1f} MiB for {what}, over the {budget / 2**20:,.1f} MiB "
+            f"budget, and no stronger policy is predicted to fit (deficit {(measured - budget) / 2**20:,.1f} MiB)",
+            int(measured - budget),
+        )
+    return min(later, key=lambda p: predictions[p][1])
 
 
 @dataclasses.dataclass
@@ -171,8 +209,6 @@ class AdaptiveProfiler:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from jaxmem.memory import get_hardware
-
         self.base = pipeline
         self.build_step = build_step
         self.batch_sharding = batch_sharding or NamedSharding(pipeline.mesh, P(("data", "fsdp")))
@@ -228,7 +264,6 @@ class AdaptiveProfiler:
     def predict(self, policy: str, batch: int, seq: int, drop_layers) -> tuple[float, float, float]:
         """(predicted device bytes, expected step seconds, simulated step seconds) of a policy, without
         compiling; expected = simulated x the measured correction for that policy (when known)."""
-        from jaxmem.memory import estimate
 
         base = self.base
         result = estimate(
@@ -266,7 +301,6 @@ class AdaptiveProfiler:
     @staticmethod
     def _compiled_bytes(compiled, pipeline, batch) -> int:
         """memory_analysis() total, minus bytes placed on host that XLA:CPU counts as device."""
-        from jaxmem.memory import compiled_bytes, host_bytes_counted_as_device
 
         tick, _ = pipeline.program(batch)
         return int(compiled_bytes(compiled) - host_bytes_counted_as_device(tick))
@@ -296,17 +330,9 @@ class AdaptiveProfiler:
         start = time.perf_counter()
         size, seq = batch["tokens"].shape
         predictions = {p: self.predict(p, size, seq, drop_layers) for p in self.policies}
-        neighbour = self._neighbour_policy(sig)
-        # Fastest predicted-to-fit policy; among equals, the neighbour's (a near-identical signature).
-        fitting = [p for p in self.policies if predictions[p][0] * self.margin <= self.budget]
-        if not fitting:
-            smallest = min(predictions.values())[0]
-            raise BudgetError(
-                f"no policy fits {self.budget / 2**20:,.1f} MiB per device for {self.label(sig)}: the smallest "
-                f"prediction is {smallest / 2**20:,.1f} MiB ({(smallest - self.budget) / 2**20:,.1f} MiB short)",
-                int(smallest - self.budget),
-            )
-        choice = min(fitting, key=lambda p: (round(predictions[p][1], 9), p != neighbour, self.policies.index(p)))
+        choice = choose_policy(
+            predictions, self.budget, margin=self.margin, neighbour=self._neighbour_policy(sig), what=self.label(sig)
+        )
         abstract_state = self._abstract(state)
         pipeline = self._pipeline(choice, drop_layers)
         compiled = self._compile(pipeline, batch, abstract_state)
@@ -314,19 +340,7 @@ class AdaptiveProfiler:
         compiles, escalated = 1, False
         self.margin = max(1.0, self.margin * 0.5 + 0.5 * measured / predictions[choice][0])
         if measured > self.budget:
-            # Escalate once: the cheapest policy further up the ladder whose corrected prediction fits.
-            ratio = measured / predictions[choice][0]
-            later = [
-                p for p in self.policies[self.policies.index(choice) + 1 :] if predictions[p][0] * ratio <= self.budget
-            ]
-            if not later:
-                raise BudgetError(
-                    f"{choice} compiled to {measured / 2**20:,.1f} MiB for {self.label(sig)}, over the "
-                    f"{self.budget / 2**20:,.1f} MiB budget, and no stronger policy is predicted to fit "
-                    f"(deficit {(measured - self.budget) / 2**20:,.1f} MiB)",
-                    int(measured - self.budget),
-                )
-            choice = min(later, key=lambda p: predictions[p][1])
+            choice = escalate_policy(predictions, self.budget, choice, measured, what=self.label(sig))
             pipeline = self._pipeline(choice, drop_layers)
             compiled = self._compile(pipeline, batch, abstract_state)
             measured = self._compiled_bytes(compiled, pipeline, batch)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 
+from jaxmem._util import compiled_bytes
 from jaxmem.layout import check_layout, greedy_by_size, improve_layout
 from jaxmem.roam._caching import caching_allocator_capacity, run_caching_allocator
 from jaxmem.roam._graph import Graph, build_graph, fuse_elementwise
 from jaxmem.roam._liveness import lifetimes
 from jaxmem.roam._order import plan_order
 
-__all__ = ["analyze_graph", "analyze_step", "xla_bytes"]
+__all__ = ["analyze_graph", "analyze_step"]
 
 
 def analyze_graph(
@@ -89,20 +90,6 @@ def analyze_graph(
     return record
 
 
-def xla_bytes(step) -> int:
-    """Device bytes XLA's compiled step holds: arguments + temporaries + non-aliased outputs."""
-    import jax
-
-    lowered = jax.jit(step.fn, donate_argnums=(0, 1)).lower(*step.args)
-    analysis = lowered.compile().memory_analysis()
-    return (
-        analysis.argument_size_in_bytes
-        + analysis.temp_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-    )
-
-
 def analyze_step(step, *, compile_xla: bool = False, fuse: bool = True, **kwargs) -> dict:
     """Trace a :class:`TrainStep`, plan it, and (optionally) compile it for XLA's figure.
 
@@ -119,7 +106,10 @@ def analyze_step(step, *, compile_xla: bool = False, fuse: bool = True, **kwargs
     record["trace_seconds"] = trace_seconds
     if compile_xla:
         start = time.perf_counter()
-        record["xla_bytes"] = xla_bytes(step)
+        import jax
+
+        compiled = jax.jit(step.fn, donate_argnums=(0, 1)).lower(*step.args).compile()
+        record["xla_bytes"] = compiled_bytes(compiled)
         record["xla_compile_seconds"] = time.perf_counter() - start
     return record
 

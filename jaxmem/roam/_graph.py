@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from jaxmem.roam._liveness import peak
+
 __all__ = ["ELEMENTWISE", "Graph", "Op", "build_graph", "fuse_elementwise"]
 
 _INLINE = {
@@ -100,8 +102,6 @@ def _program_order_peak(jaxpr) -> int:
     """Peak bytes of a (closed) jaxpr's intermediates in program order (for ops left whole)."""
     inner = getattr(jaxpr, "jaxpr", jaxpr)
     graph = build_graph(inner, donated=(), inputs_are_free=True)
-    from jaxmem.roam._liveness import peak
-
     return peak(graph, list(range(graph.num_ops))).peak
 
 

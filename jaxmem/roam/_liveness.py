@@ -9,8 +9,10 @@ While an op runs, its inputs and outputs are live together, plus the op's own tr
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from jaxmem.roam._graph import Graph
+if TYPE_CHECKING:  # for annotations: _graph imports this module
+    from jaxmem.roam._graph import Graph
 
 __all__ = ["Liveness", "check_order", "lifetimes", "peak"]
 

@@ -29,7 +29,6 @@ from jaxmem.schedule._generators import zb_h1 as zb_h1
 from jaxmem.schedule._generators import zbv as zbv
 from jaxmem.schedule._simulate import Costs as Costs
 from jaxmem.schedule._simulate import SimulationResult as SimulationResult
-from jaxmem.schedule._simulate import peak_activation_units as peak_activation_units
 from jaxmem.schedule._simulate import simulate as simulate
 from jaxmem.schedule._table import Schedule as Schedule
 from jaxmem.schedule._table import ScheduleError as ScheduleError

@@ -313,13 +313,3 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
         exposed_transfer=tuple(exposed),
         transfer_busy=tuple(transfer_busy),
     )
-
-
-def peak_activation_units(result: SimulationResult, costs: Costs | None = None) -> tuple[float, ...]:
-    """Per rank, the peak of live activations weighed by stage size (1.0 = one full-stage activation)."""
-    costs = costs or Costs()
-    schedule = result.schedule
-    sized = dataclasses.replace(costs, activation_bytes=1.0)
-    if result.peak_activation_bytes is not None and costs.activation_bytes:
-        return tuple(b / costs.activation_bytes for b in result.peak_activation_bytes)
-    return simulate(schedule, sized).peak_activation_bytes  # type: ignore[return-value]

@@ -1,6 +1,7 @@
 """The configuration search behind ``jaxmem plan`` and ``jaxmem train --plan auto``: the fastest
 pipeline size, schedule, microbatch count and memory policy predicted to fit a per-device budget."""
 
+from jaxmem.search._search import CHRONOS_MOVES as CHRONOS_MOVES
 from jaxmem.search._search import POLICIES as POLICIES
 from jaxmem.search._search import SCHEDULES as SCHEDULES
 from jaxmem.search._search import Candidate as Candidate

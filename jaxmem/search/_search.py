@@ -16,6 +16,7 @@ from jaxmem._errors import JaxmemError
 from jaxmem._util import human_bytes
 
 __all__ = [
+    "CHRONOS_MOVES",
     "Candidate",
     "SearchError",
     "SearchResult",
@@ -152,8 +153,8 @@ class SearchResult:
 
 CHRONOS_MOVES = {
     "chronos-recomp": ("selective", "recompute-all"),
-    "chronos-offload": ("offload-stash", "optimizer-state", "weights"),
-    "chronos-both": ("offload-stash", "selective", "recompute-all", "optimizer-state", "weights"),
+    "chronos-offload": ("offload-stash", "offload-optimizer-state", "offload-weights"),
+    "chronos-both": ("offload-stash", "selective", "recompute-all", "offload-optimizer-state", "offload-weights"),
 }
 
 

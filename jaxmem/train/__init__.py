@@ -8,6 +8,7 @@ from jaxmem.train._adaptive import train_adaptive as train_adaptive
 from jaxmem.train._checkpoint import Checkpointer as Checkpointer
 from jaxmem.train._checkpoint import CheckpointError as CheckpointError
 from jaxmem.train._checkpoint import array_checksums as array_checksums
+from jaxmem.train._checkpoint import committed_steps as committed_steps
 from jaxmem.train._checkpoint import read_params as read_params
 from jaxmem.train._export import Exported as Exported
 from jaxmem.train._export import export_checkpoint as export_checkpoint
@@ -19,9 +20,9 @@ from jaxmem.train._hooks import CheckpointHook as CheckpointHook
 from jaxmem.train._hooks import Hook as Hook
 from jaxmem.train._hooks import SampleLogHook as SampleLogHook
 from jaxmem.train._hooks import StepInfo as StepInfo
+from jaxmem.train._hooks import default_hooks as default_hooks
 from jaxmem.train._loop import TrainingError as TrainingError
 from jaxmem.train._loop import apply_plan as apply_plan
-from jaxmem.train._loop import default_hooks as default_hooks
 from jaxmem.train._loop import train as train
 from jaxmem.train._metrics import MetricsHook as MetricsHook
 from jaxmem.train._metrics import model_flops_per_step as model_flops_per_step

@@ -7,6 +7,9 @@ import dataclasses
 import time
 
 from jaxmem.config import TrainConfig
+from jaxmem.profiler import AdaptiveProfiler
+from jaxmem.train._console import StopRequests, console_log
+from jaxmem.train._hooks import StepInfo, default_hooks
 from jaxmem.train._trainer import Trainer
 
 __all__ = ["adaptive_workload", "train_adaptive"]
@@ -46,13 +49,12 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
     config's hooks (plus ``hooks``) resume the state, data position and step, and the workload
     (sequence length, dropped layers) of a resumed run continues where the saved one stopped.
     """
-    from jaxmem.profiler import AdaptiveProfiler
-    from jaxmem.train._hooks import StepInfo
-    from jaxmem.train._loop import _console_log, _StopRequests, default_hooks
 
-    console, log = _console_log(progress)
+    console, log = console_log(progress)
     trainer = Trainer(config)
     hooks = [*default_hooks(config, log), *hooks]
+    for hook in hooks:
+        getattr(hook, "before_start", lambda trainer: None)(trainer)
     state = trainer.init_state()
     for hook in hooks:
         state = hook.on_start(trainer, state)
@@ -69,7 +71,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
     )
     losses, tokens, start = [], 0, time.perf_counter()
     known, explored = 0, set()
-    stop = _StopRequests()
+    stop = StopRequests()
     with stop:
         for i, (seq, drop) in enumerate(adaptive_workload(config)):
             if i < first_step:

@@ -45,7 +45,15 @@ import numpy as np
 from jaxmem._errors import JaxmemError, first_line
 from jaxmem._util import hold_lock
 
-__all__ = ["CheckpointError", "Checkpointer", "SameArrays", "StateReader", "array_checksums", "read_params"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "SameArrays",
+    "StateReader",
+    "array_checksums",
+    "committed_steps",
+    "read_params",
+]
 
 MARKER = "jaxmem_checkpoints.json"
 LOCK = ".jaxmem.lock"
@@ -326,6 +334,16 @@ def _check_same_arrays(step: int, manifest: dict, target: dict) -> None:
     )
 
 
+def committed_steps(directory) -> list[int]:
+    """The committed steps of a checkpoint directory, read from disk without opening it (no lock):
+    Orbax renames a step's temporary directory to its number when the save is complete, so an
+    in-flight or killed save is never listed, nor a step set aside as damaged or superseded."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
 class Checkpointer:
     """Save and restore jaxmem train states in ``directory``.
 
@@ -482,12 +500,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
     def steps(self) -> list[int]:
-        """Committed steps only, read from disk: Orbax renames a step's temporary directory to its
-        number when the save is complete, so an in-flight or killed save is never listed (the
-        manager's own list includes saves still in flight)."""
-        if not self.directory.exists():
-            return []
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+        """Committed steps only (:func:`committed_steps`; the manager's own list includes saves still
+        in flight)."""
+        return committed_steps(self.directory)
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -534,14 +549,34 @@ class Checkpointer:
             "a new --checkpoint-dir or restore the directory from a copy"
         )
 
-    def _restore_verified(self, target, step: int) -> Restored:
+    def check(self, target, step: int | None = None) -> dict | None:
+        """Read only the metadata of the step :meth:`restore` would try first (``step``, or the newest
+        whose metadata reads) and refuse it if its arrays are not the ones ``target`` expects: a
+        checkpoint of another model is named before any state is built. Returns that step's metadata
+        (None: no step to resume). Damage is left for :meth:`restore` to find and fall back from."""
+        steps = self.steps()
+        candidates = [step] if step is not None and step in steps else [] if step is not None else steps[::-1]
+        for candidate in candidates:
+            try:
+                meta, manifest = self._read_meta(candidate)
+            except CheckpointError:
+                continue
+            reader = target if isinstance(target, StateReader) else SameArrays(target)
+            _check_same_arrays(candidate, manifest, reader.expected(meta))
+            return meta
+        return None
+
+    def _read_meta(self, step: int) -> tuple[dict, dict]:
         import orbax.checkpoint as ocp
 
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
             raise CheckpointError(f"step {step}: its metadata cannot be read ({first_line(e)})") from None
-        manifest = _manifest(step, meta)
+        return meta, _manifest(step, meta)
+
+    def _restore_verified(self, target, step: int) -> Restored:
+        meta, manifest = self._read_meta(step)
         reader = target if isinstance(target, StateReader) else SameArrays(target)
         _check_same_arrays(step, manifest, reader.expected(meta))
         state = reader.read(meta, lambda tree, partial=False: self._fetch(step, manifest, tree, partial))

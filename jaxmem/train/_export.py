@@ -12,7 +12,8 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError
-from jaxmem.data import BPETokenizer
+from jaxmem.data import BPETokenizer, get_tokenizer
+from jaxmem.models import describe_model, generate, model_from_description
 from jaxmem.train._checkpoint import MARKER, read_params
 from jaxmem.train._state_io import model_params
 
@@ -93,7 +94,6 @@ def _read_checkpoint(directory: str, step: int | None):
 def _checkpoint_model(directory: str, step: int | None, model=None):
     """``(restored, description, model, params, flat)`` of a checkpoint step: the model rebuilt from the
     step's metadata (or the one given), its parameters in its own tree and as named arrays."""
-    from jaxmem.models import describe_model, model_from_description
 
     restored = _read_checkpoint(directory, step)
     description = restored.meta.get("model_spec") or (describe_model(model) if model is not None else None)
@@ -176,7 +176,6 @@ class Exported:
 
     def generate(self, prompt: str, **kwargs) -> str:
         """Continue a text prompt (keyword arguments as :func:`jaxmem.models.generate`)."""
-        from jaxmem.models import generate
 
         ids = generate(self.model, self.params, self.tokenizer.encode(prompt), **kwargs)
         return self.tokenizer.decode(ids)
@@ -187,8 +186,6 @@ def load_exported(directory: str, *, model=None) -> Exported:
 
     >>> # exported = load_exported("out"); nnx.update(module, nnx.State(exported.params))
     """
-    from jaxmem.data import get_tokenizer
-    from jaxmem.models import model_from_description
 
     path = os.path.join(directory, CONFIG)
     try:
@@ -217,7 +214,6 @@ def load_exported(directory: str, *, model=None) -> Exported:
 def load_model(path: str, *, step: int | None = None, model=None) -> Exported:
     """An export directory, or a checkpoint directory (its latest or given step), as :class:`Exported`
     (``model``: for a model of your own)."""
-    from jaxmem.data import get_tokenizer
 
     if os.path.exists(os.path.join(path, CONFIG)):
         return load_exported(path, model=model)

@@ -12,11 +12,20 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxmem.config import TrainConfig
 from jaxmem.data import Batch, BPETokenizer
 from jaxmem.train._checkpoint import Checkpointer, CheckpointError
 from jaxmem.train._state import TrainState
 
-__all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_WINDOW", "CheckpointHook", "Hook", "SampleLogHook", "StepInfo"]
+__all__ = [
+    "DIVERGENCE_FACTOR",
+    "DIVERGENCE_WINDOW",
+    "CheckpointHook",
+    "Hook",
+    "SampleLogHook",
+    "StepInfo",
+    "default_hooks",
+]
 
 # The divergence guard of CheckpointHook: a loss over FACTOR x the median of the last WINDOW losses.
 DIVERGENCE_FACTOR = 10.0
@@ -47,10 +56,14 @@ class StepInfo:
 class Hook:
     """Callbacks around a training loop; override what you need.
 
-    ``on_start`` may return a different state (a restored one); ``on_step`` runs after every step;
+    ``before_start`` runs before the state is built (a check that should fail fast: no array
+    exists yet); ``on_start`` may return a different state (a restored one); ``on_step`` runs after every step;
     ``on_end`` after the last; ``on_error`` instead of ``on_end`` when the run stops on an error
     (e.g. a non-finite loss): finish what is in flight, but save nothing of the failed state.
     """
+
+    def before_start(self, trainer) -> None:
+        return None
 
     def on_start(self, trainer, state: TrainState) -> TrainState:
         return state
@@ -116,6 +129,13 @@ class CheckpointHook(Hook):
             self._diverged = diverged
         if not self._diverged:
             recent.append(loss)  # a spike does not raise the median it is judged by
+
+    def before_start(self, trainer):
+        """Refuse a checkpoint this run cannot resume (another model, optimizer, seed, sequence length
+        or data) from its metadata alone, before the state is initialised and the step compiled."""
+        meta = self.checkpointer.check(trainer.restore_target(), self.restore_step)
+        if meta is not None:
+            trainer.check_resumable(meta)
 
     def on_start(self, trainer, state):
         checkpointer = self.checkpointer
@@ -185,3 +205,22 @@ class SampleLogHook(Hook):
         if jax.process_index() == 0:
             with open(self.path, "a") as f:
                 f.write(f"{state.step} {' '.join(str(i) for i in info.batch.sample_ids)}\n")
+
+
+def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line: None) -> list[Hook]:
+    """The hooks a config asks for: checkpoints (``checkpoint_dir``), the sample log, metrics
+    (``run_dir``)."""
+    hooks: list[Hook] = []
+    if config.checkpoint_dir:
+        hooks.append(
+            CheckpointHook(
+                config.checkpoint_dir,
+                every=config.checkpoint_every,
+                keep=config.keep_checkpoints,
+                restore_step=config.restore_step,
+                log=log,
+            )
+        )
+    if config.sample_log:
+        hooks.append(SampleLogHook(config.sample_log))
+    return hooks

@@ -11,34 +11,30 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import human_bytes, tree_bytes
 from jaxmem.config import TrainConfig
-from jaxmem.train._hooks import CheckpointHook, Hook, SampleLogHook, StepInfo
+from jaxmem.memory import get_hardware
+from jaxmem.policy import from_spec
+from jaxmem.search import SearchError, search
+from jaxmem.train._adaptive import train_adaptive
+from jaxmem.train._console import StopRequests, console_log
+from jaxmem.train._hooks import Hook, StepInfo, default_hooks
 from jaxmem.train._metrics import MetricsHook, model_flops_per_step
 from jaxmem.train._state import scalar
 from jaxmem.train._trainer import Trainer
 
-__all__ = ["TrainingError", "apply_plan", "default_hooks", "train"]
-
-
-def _hardware_name(config: TrainConfig) -> str:
-    """The hardware profile a config means: its own, or for ``auto`` the one of this platform."""
-    if config.hardware != "auto":
-        return config.hardware
-    return {"gpu": "h100", "tpu": "tpu-v5p"}.get(jax.devices()[0].platform, "cpu")
+__all__ = ["TrainingError", "apply_plan", "train"]
 
 
 def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[TrainConfig, dict]:
     """Replace the pipeline settings of a ``plan="auto"`` config with the configuration search's pick."""
-    from jaxmem._util import human_bytes
-    from jaxmem.memory import get_hardware
-    from jaxmem.search import SearchError, search
 
-    name = _hardware_name(config)
+    name = config.hardware_profile()
     devices = config.devices or config.num_devices
     model = config.build_model()
     # Before the search and the CPU's calibration: the parameters, their gradients and Adam's two
     # moments, spread perfectly over every device, are a floor no plan goes under.
-    param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.abstract_params()))
+    param_bytes = tree_bytes(model.abstract_params())
     floor = 4 * param_bytes / devices
     if config.budget < floor:
         raise SearchError(
@@ -85,29 +81,9 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
     return planned, result.to_json()
 
 
-def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line: None) -> list[Hook]:
-    """The hooks a config asks for: checkpoints (``checkpoint_dir``), the sample log, metrics
-    (``run_dir``)."""
-    hooks: list[Hook] = []
-    if config.checkpoint_dir:
-        hooks.append(
-            CheckpointHook(
-                config.checkpoint_dir,
-                every=config.checkpoint_every,
-                keep=config.keep_checkpoints,
-                restore_step=config.restore_step,
-                log=log,
-            )
-        )
-    if config.sample_log:
-        hooks.append(SampleLogHook(config.sample_log))
-    return hooks
-
-
 def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:
-    from jaxmem.memory import get_hardware
 
-    name = _hardware_name(config)
+    name = config.hardware_profile()
     hardware = get_hardware(name)
     # CPU: the calibrated rate is the whole machine's (virtual devices share its cores).
     peak = hardware.peak_flops * (1 if name == "cpu" else config.num_devices)
@@ -123,81 +99,13 @@ def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:
     return hook
 
 
-class _StopRequests:
-    """SIGTERM / SIGINT (preemption, Ctrl-C) ask the loop to stop after the current step, save and exit.
-
-    In one process, handlers set a flag (a second signal gets the default behaviour back, so a
-    stuck save can still be interrupted). In a multi-process job, JAX's preemption service owns
-    SIGTERM: every process asks :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`
-    each step, and all of them stop at the same step.
-    """
-
-    def __init__(self):
-        self.reason: str | None = None
-        self._previous: dict = {}
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        signals = [signal.SIGINT] if jax.process_count() > 1 else [signal.SIGTERM, signal.SIGINT]
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        import signal
-
-        self.reason = signal.Signals(signum).name
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one is not deferred
-
-    def __exit__(self, *exc):
-        import signal
-
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}
-
-    def requested(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            try:
-                if multihost_utils.reached_preemption_sync_point(step):
-                    self.reason = self.reason or "SIGTERM"
-                    return True
-            except RuntimeError:  # no preemption service in this job
-                pass
-        return self.reason is not None
-
-    def announce(self, step: int, config: TrainConfig, log) -> None:
-        """Say that a signal stopped the run at ``step`` and whether it is saved (after the loop)."""
-        if self.reason:
-            saved = "saving a checkpoint" if config.checkpoint_dir else "no --checkpoint-dir, so nothing is saved"
-            log(f"{self.reason}: stopping after step {step}/{config.steps}, {saved}")
-
-
 def _selective_without_quadratic(config: TrainConfig, model) -> bool:
     """Whether the policy asks for selective recompute somewhere of a model with nothing it would
     recompute (no ``quadratic`` tag group)."""
-    from jaxmem.policy import from_spec
 
     policy = from_spec(config.policy)
     parts = [policy.default, *(p for *_, p in (*policy.stages, *policy.microbatch, *policy.stage_microbatch))]
     return any(p.base == "selective" for p in parts) and not model.tags.group("quadratic")
-
-
-def _console_log(progress: bool):
-    """The run's stderr console and a ``log(line)`` printing plain lines to it (silent without
-    ``progress``)."""
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not progress:
-        return console, lambda line: None
-    return console, lambda line: console.print(line, markup=False, highlight=False)
 
 
 class TrainingError(JaxmemError):
@@ -248,13 +156,11 @@ def train(
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console, log = _console_log(progress)
+    console, log = console_log(progress)
     plan_record = None
     if config.plan == "auto":
         config, plan_record = apply_plan(config, log=log)
     if config.adaptive:
-        from jaxmem.train._adaptive import train_adaptive
-
         return train_adaptive(config, progress=progress, hooks=hooks)
     trainer = trainer or Trainer(config)
     config = trainer.config  # with the data's vocabulary
@@ -269,6 +175,8 @@ def train(
     if config.run_dir:
         metrics_hook = _metrics_hook(config, trainer, log)
         hooks.append(metrics_hook)
+    for hook in hooks:
+        getattr(hook, "before_start", lambda trainer: None)(trainer)
     state = trainer.init_state()
     first_step = state.step
     for hook in hooks:
@@ -303,7 +211,7 @@ def train(
     plan_check = None
     step_times: list[float] = []
     start = time.perf_counter()
-    stop = _StopRequests()
+    stop = StopRequests()
     with stop, Progress(*columns, console=console, disable=not interactive, transient=False) as bar:
         task = bar.add_task("train", total=config.steps, completed=state.step, info="compiling")
         while state.step < config.steps:

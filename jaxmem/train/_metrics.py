@@ -13,6 +13,7 @@ import time
 import jax
 
 from jaxmem._errors import JaxmemError
+from jaxmem.memory import compiled_bytes, model_facts
 from jaxmem.train._hooks import Hook, StepInfo
 
 __all__ = ["MetricsHook", "model_flops_per_step", "plot_metrics", "read_metrics"]
@@ -36,7 +37,6 @@ def model_flops_per_step(model, batch_size: int, seq_len: int) -> float:
     """FLOPs of one step's forward and backward with nothing recomputed (the numerator of MFU, as in
     PaLM: recompute is overhead, not useful work), from ``cost_analysis()`` of the traced model (or the
     GPT's closed form)."""
-    from jaxmem.memory import model_facts
 
     whole = model_facts(model).whole(batch_size, seq_len)
     return float(whole.forward_flops + whole.backward_flops - whole.recompute_flops)
@@ -157,8 +157,6 @@ class MetricsHook(Hook):
         if not self.writes:
             return
         if self.compiled_bytes is None and trainer is not None:
-            from jaxmem.memory import compiled_bytes
-
             self.compiled_bytes = compiled_bytes(trainer.compiled(state))
         record = self.record(info)
         jsonl, csv_file, tb = self._files

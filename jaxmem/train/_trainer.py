@@ -13,10 +13,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
-from jaxmem.config import TrainConfig
-from jaxmem.data import Batch, DataIterator, load_corpus
+from jaxmem.config import GENERATED_POLICIES, TrainConfig
+from jaxmem.data import ORDER, Batch, DataIterator, load_corpus
+from jaxmem.memory import measure
 from jaxmem.models import StagedModel, describe_model
-from jaxmem.pipeline import Pipeline, PipelineParams, make_mesh
+from jaxmem.pipeline import Pipeline, PipelineParams, batch_spec, make_mesh
 from jaxmem.train._state import TrainState, global_put, to_device
 from jaxmem.train._state_io import TrainStateReader, nest
 
@@ -88,9 +89,12 @@ class Trainer:
             # A preset's vocabulary follows the tokenizer (byte-level data keeps the preset's own).
             if tokenizer.vocab_size != 256:
                 config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
-        self.config = config
         self.model = config.build_model()
         self.schedule = config.build_schedule()
+        if config.policy in GENERATED_POLICIES:  # made for this layout now; the config keeps the result
+            policy = config.build_policy(self.model, self.schedule)
+            config = dataclasses.replace(config, policy=policy, budget=config.budget if config.run_dir else None)
+        self.config = config
         self.mesh = make_mesh(config.data_parallel, config.stages, devices, fsdp=config.fsdp, tensor=config.tensor)
         self.pipeline = Pipeline(
             self.model,
@@ -117,7 +121,6 @@ class Trainer:
 
     def batch_spec(self, seq: int | None = None) -> dict:
         """The abstract global batch of a step (with its sharding over ``data``)."""
-        from jaxmem.pipeline import batch_spec
 
         spec = batch_spec(self.config.batch_size, seq or self.config.seq_len)
         return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in spec.items()}
@@ -228,7 +231,6 @@ class Trainer:
     def measure_memory(self, state: TrainState | None = None, compiled=None):
         """The compiled ledger of this trainer's step (:func:`jaxmem.memory.measure`); compiles the step
         unless given, builds a state unless given."""
-        from jaxmem.memory import measure
 
         state = state or self.init_state()
         compiled = compiled or self.lower(state).compile()
@@ -279,7 +281,14 @@ class Trainer:
     def import_state(self, state: dict, meta: dict) -> TrainState:
         """A restored state (``{"params", "opt_state"}``, read through :meth:`restore_target`) and its
         metadata as this trainer's :class:`TrainState`, after checking that the run may go on from it
-        (same seed, data and data order)."""
+        (:meth:`check_resumable`)."""
+        data = self.check_resumable(meta)
+        params, opt_state = state["params"], state["opt_state"]
+        return TrainState(params=params, opt_state=opt_state, step=int(meta["step"]), data=data)
+
+    def check_resumable(self, meta: dict):
+        """Refuse a step's metadata this run may not go on from (another seed, sequence length, data or
+        data order); else the data iterator positioned where that step stopped. Reads no array."""
         if meta.get("seed") is not None and meta["seed"] != self.config.seed:
             raise JaxmemError(
                 f"the checkpoint at step {meta['step']} was trained with --seed {meta['seed']}, this run has "
@@ -294,8 +303,6 @@ class Trainer:
                 f"resuming would repeat some text and skip other. Resume with --seq-len {saved_seq}, or "
                 "start a new --checkpoint-dir (export the weights first with jaxmem export)"
             )
-        params, opt_state = state["params"], state["opt_state"]
-        from jaxmem.data import ORDER
 
         if meta["data"].get("order") != ORDER:
             raise JaxmemError(
@@ -312,7 +319,7 @@ class Trainer:
                 f"({current or 'the embedded corpus'}): the files or the tokenizer changed. Resuming would break "
                 "exactly-once; pass the same --data and --tokenizer, or start a new --checkpoint-dir"
             )
-        return TrainState(params=params, opt_state=opt_state, step=int(meta["step"]), data=data)
+        return data
 
 
 def _load_data(config: TrainConfig):

@@ -1,0 +1,71 @@
+"""One estimator: the planner, the online profiler and the recovery planner price a configuration with
+:func:`jaxmem.memory.estimate` and get the same figure for it (nothing compiles here)."""
+
+import dataclasses
+
+import pytest
+
+from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE, estimate
+from jaxmem.models import get_model
+from jaxmem.schedule import generate
+
+BATCH, SEQ = 32, 64
+
+
+@pytest.mark.parametrize("data,fsdp", [(2, 1), (1, 2)])
+def test_planner_profiler_and_recovery_price_one_configuration_alike(data, fsdp):
+    from jaxmem.elastic import predicted_step_seconds
+    from jaxmem.pipeline import Pipeline, make_mesh
+    from jaxmem.profiler import AdaptiveProfiler
+    from jaxmem.search import evaluate
+
+    model = get_model("tiny")
+    schedule = generate("1f1b", 4, 4)
+    layout = dict(batch=BATCH, seq=SEQ, fsdp=fsdp, hardware="h100")
+    planner = evaluate(model, schedule, "save-all", budget=float("inf"), data=data, **layout)
+    pipeline = Pipeline(model, schedule, make_mesh(data, 4, fsdp=fsdp), policy="save-all")
+    profiler = AdaptiveProfiler(pipeline, 2**30, build_step=None, hardware="h100", explore=False)
+    device_bytes, _, simulated = profiler.predict("save-all", BATCH, SEQ, frozenset())
+    direct = estimate(model, schedule, "save-all", data_parallel=data, **layout)
+    assert planner.step_seconds == simulated == direct.step_seconds
+    assert planner.device_bytes == device_bytes == direct.device_bytes
+    if fsdp == 1:  # the recovery planner's own entry point (its strategies keep the job's fsdp)
+        recovery = predicted_step_seconds(model, "1f1b", 4, data, 4, BATCH, SEQ, None, hardware="h100")
+        assert recovery == direct.step_seconds
+
+
+def test_processes_beyond_the_cores_slow_the_estimate_by_the_fitted_exponent():
+    """The CPU step of a launched job (one process per rank): the recovery planner's figure is the
+    estimator's on a profile that says how many processes share the cores."""
+    from jaxmem.elastic import predicted_step_seconds
+
+    model = get_model("tiny")
+    schedule = generate("1f1b", 4, 4)
+    cpu = dataclasses.replace(HARDWARE["cpu"], cores=2, lockstep=CPU_LOCKSTEP_PROCESSES)
+    fitting = estimate(model, schedule, batch=BATCH, seq=SEQ, hardware=cpu, memory=False).step_seconds
+    for processes in (1, 2, 4):
+        profile = dataclasses.replace(cpu, processes=processes)
+        seconds = estimate(model, schedule, batch=BATCH, seq=SEQ, hardware=profile, memory=False).step_seconds
+        slowdown = max(processes / 2, 1.0) ** CPU_LOCKSTEP_PROCESSES.oversubscription
+        assert seconds == pytest.approx(fitting * slowdown, rel=1e-12)
+        recovery = predicted_step_seconds(
+            model, "1f1b", 4, 1, 4, BATCH, SEQ, None, hardware=HARDWARE["cpu"], cores=2, nprocs=processes
+        )
+        assert recovery == pytest.approx(seconds, rel=1e-12)
+    assert CPU_LOCKSTEP_PROCESSES.oversubscription > 0
+
+
+@pytest.mark.parametrize("seconds", [0.25, 0.5, 0.75, 1.0])
+def test_an_overlapped_offload_costs_only_its_excess(seconds):
+    """One rank, F0 F1 B0 B1 (F 1 s, B 2 s), each activation offloaded after its F and fetched back
+    before its B, ``seconds`` each way. B0's round trip (out after F0, back from F1's start) overlaps
+    F1's 1 s: only 2 x seconds - 1 s of it, when positive, delays B0 and the step; B1's hides."""
+    from jaxmem.schedule import Costs, simulate
+
+    schedule = generate("gpipe", 1, 2)
+    assert [str(a) for a in schedule.actions(0)] == ["0F0", "0F1", "0B0", "0B1"]
+    costs = Costs(f=1, b=2, offload_fn=lambda stage, mb: seconds, host_bandwidth=1.0)
+    result = simulate(schedule, costs)
+    excess = max(2 * seconds - 1.0, 0.0)
+    assert result.exposed_transfer == pytest.approx((excess,))
+    assert result.makespan == pytest.approx(simulate(schedule, Costs(f=1, b=2)).makespan + excess)
