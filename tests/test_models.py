@@ -439,7 +439,8 @@ def test_fused_attention_keeps_no_probabilities_and_its_gradients_are_plain(mode
     config = get_model(model).config
     probs = 4 * config.n_heads * 64 * 64 * 2 * np.dtype("float32").itemsize  # 4 x 64 tokens, 2 layers
     assert kept["materialized"].stash_bytes() - kept["fused"].stash_bytes() == probs
-    assert kept["fused"].inner_bytes > 0 and kept["materialized"].inner_bytes == 0
+    # The backward rebuilds the probabilities inside the fused op: its working set holds them still.
+    assert kept["fused"].working_bytes >= probs / 2
     trainer = Trainer(TrainConfig(model=model, attention="fused", stages=2, microbatches=4, policy=policy, steps=1))
     predicted = predict(trainer.model, trainer.schedule, policy, batch=32, seq=64)
     report = compare(predicted, trainer.measure_memory())

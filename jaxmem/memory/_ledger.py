@@ -7,7 +7,8 @@ kept from F to B, device and host), ``transient`` (message buffers, batch, and t
 one tick). Every rank of one SPMD program allocates the same buffers, so ``device_bytes`` is what each
 rank allocates; ``live_stash_bytes`` is what the rank's own schedule needs at its peak. Predictions
 come from the model's facts (traced residual plans and ``cost_analysis()``, or the GPT's closed form),
-so the ledger works for any :class:`~jaxmem.models.StagedModel`.
+so the ledger works for any :class:`~jaxmem.models.StagedModel`; the backward's working set is read from
+one stage's pullback compiled alone (:class:`~jaxmem.memory.StageFacts`), on the backend at hand.
 
 On CPU, XLA does not lower host offload: buffers a policy places on host are still counted in the
 compiled ``temp`` size. Offload is therefore proved structurally (host memory space on the residuals
@@ -25,9 +26,7 @@ from jaxmem._util import compiled_bytes
 from jaxmem.policy import resolve
 
 __all__ = [
-    "BACKWARD_WORKSET",
     "CATEGORIES",
-    "RECOMPUTE_WORKSET",
     "Bytes",
     "Ledger",
     "RankLedger",
@@ -39,15 +38,6 @@ __all__ = [
 ]
 
 CATEGORIES = ("params", "grads", "optimizer_state", "stash", "transient")
-
-# The transient term is the one part of the prediction that is modelled, not derived: one slot-sized
-# value leaving the executor's switch, the message buffers and the batch, plus a per-microbatch working
-# set of the backward proportional to the stage's full activation volume (BACKWARD_WORKSET) and to the
-# recomputed part of it (RECOMPUTE_WORKSET). Both constants were fitted to XLA:CPU's buffer assignment
-# of the tiny GPT (benchmarks/memory.py reports the error for both built-in models); other backends
-# fuse differently.
-BACKWARD_WORKSET = 1.5
-RECOMPUTE_WORKSET = 0.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +175,7 @@ def predict(
     optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
-    class_sizes, full_volume, recomputed, item, kept_cut, inner = {}, 0.0, 0.0, 0.0, 0.0, 0.0
+    class_sizes, working, item = {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]
         stage = facts.stage(
@@ -199,15 +189,11 @@ def predict(
         )
         class_sizes[c] = stash_rows(stage.stash_elems, tensor)
         # With a tensor axis, the cut part of the activations (stashed as shares, or recomputed
-        # cut) takes 1/tensor of its bytes on each device; a backward gathers its item's whole part.
+        # cut) takes 1/tensor of its bytes on each device, and so does that part of the working
+        # set; a backward gathers its item's whole part.
         part = facts.tensor_cut(variant, seq, tensor)
-        shrink = 1 - 1 / tensor
-        full_volume = max(full_volume, stage.full_bytes * (1 - part.full * shrink))
-        recomputed_cut = max(part.full * stage.full_bytes - part.stash * stage.stash_bytes(), 0.0)
-        recomputed = max(recomputed, stage.full_bytes - stage.stash_bytes() - recomputed_cut * shrink)
+        working = max(working, stage.working_bytes * (1 - part.full * (1 - 1 / tensor)))
         item = max(item, stage.stash_bytes("device") * (1 - part.stash))
-        inner = max(inner, stage.inner_bytes)
-        kept_cut = max(kept_cut, part.stash * stage.stash_bytes("device") * shrink)
     # The layout's cache key, compact: the distinct classes with their sizes, and each cell's class index.
     classes = tuple(class_sizes)
     index = {c: i for i, c in enumerate(classes)}
@@ -218,15 +204,13 @@ def predict(
     )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // replicas) * seq * 4
-    # An op the model rematerialises on its own (fused attention) runs again inside the backward.
-    working = BACKWARD_WORKSET * full_volume + RECOMPUTE_WORKSET * recomputed + inner
-    # Fitted like the constants: a residual kept as shares shrinks by 1/tensor itself, the working
-    # set the backward builds around it (the rest of BACKWARD_WORKSET) does not.
-    working += (BACKWARD_WORKSET - 1) * kept_cut
+    # The backward's working set is read from the program: the temporaries of the stage's pullback
+    # compiled alone (StageFacts.working_bytes), the largest over the classes. Beside it, the step's
+    # gradient accumulators leave the executor's switch updated while the old ones are still live.
+    working += grads.device
     if vocab:
-        # Every rank's slice of the head's logits and their gradient, after the tick's stage action
-        # (whose working set is dead by then): the larger of the two.
-        working = max(working, facts.vocab_transient(mb, seq, schedule.num_ranks))
+        # Every rank's slice of the head's logits and their gradient, in the same tick as its stage action.
+        working += facts.vocab_transient(mb, seq, schedule.num_ranks)
     transient = messages + inputs + slot_out + working
     # With the stash cut over tensor, a backward gathers its item's whole part (the window counts a share).
     transient += item * (1 - 1 / tensor)
