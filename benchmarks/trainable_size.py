@@ -85,30 +85,16 @@ def max_depth(base, method, args, hardware, floor=None):
 
 
 def _deepest_above_floor(base, method, args, hardware, floor, layers, cand):
-    """From the memory limit ``layers`` (scored ``cand``) down: the deepest multiple of P whose
-    per-layer throughput is >= ``floor``, found with strides of 4P and refined in steps of P."""
+    """From the memory limit ``layers`` (scored ``cand``) down in steps of P: the deepest depth whose
+    per-layer throughput is >= ``floor`` (not monotone in depth -- the head's cost is amortised over
+    the layers -- so every depth is tried, not a bisection)."""
     _, schedule_name, virtual, policy = method
     step = args.pipe
-
-    def ok(c, k):
-        return c is not None and c.fits and c.tokens_per_second * k >= floor
-
-    if ok(cand, layers):
-        return layers, cand
-    above = layers
-    while layers > 0:
-        layers = max(layers - 4 * step, 0)
-        cand = score(base, layers, schedule_name, virtual, policy, args, hardware) if layers else None
-        if ok(cand, layers):
-            break
-        above = layers
-    if not layers:
-        return 0, None
-    for k in range(above - step, layers, -step):  # deepest first between the stride's two ends
-        c = score(base, k, schedule_name, virtual, policy, args, hardware)
-        if ok(c, k):
+    for k in range(layers, 0, -step):
+        c = cand if k == layers else score(base, k, schedule_name, virtual, policy, args, hardware)
+        if c is not None and c.fits and c.tokens_per_second * k >= floor:
             return k, c
-    return layers, cand
+    return 0, None
 
 
 def validate_on_cpu(args):

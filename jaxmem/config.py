@@ -105,6 +105,9 @@ class TrainConfig:
         plan: ``"auto"`` lets the planner choose stages, data-parallel, schedule, microbatches and
             policy for ``devices`` under ``budget``.
         budget: device bytes per device for ``plan="auto"``, ``adaptive`` and a generated policy.
+        margin: for ``plan="auto"``, plan under ``budget / (1 + margin)``. None: 0 where the plan's
+            devices are all here (each pick is compiled and checked, the next taken when it does not
+            fit), else :data:`~jaxmem.search.LEDGER_MARGIN`, the ledger's measured error.
         hardware: hardware profile for the planner, the profiler and a generated policy (``auto``:
             measured here on CPU, h100 on GPU, tpu-v5p on TPU).
         adaptive: run under the online profiler (``jaxmem.profiler``), which picks a memory policy per
@@ -163,6 +166,7 @@ class TrainConfig:
     policy: object = None
     plan: str | None = None
     budget: float | None = None
+    margin: float | None = None
     hardware: str = "auto"
     adaptive: bool = False
     seq_len_schedule: tuple[int, ...] | None = None
@@ -248,6 +252,11 @@ class TrainConfig:
                 object.__setattr__(self, "seq_len", max(buckets))
         if self.plan == "auto" and not self.budget:
             raise JaxmemError("--plan auto needs --budget (device memory per device, e.g. 12MiB or 24GiB)")
+        if self.margin is not None and (self.plan != "auto" or not 0 <= self.margin < 1):
+            raise JaxmemError(
+                f"--margin (margin={self.margin}) is a fraction of the budget in [0, 1) that --plan auto keeps "
+                "free, e.g. --margin 0.1; use it with --plan auto"
+            )
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
             if 0 in self.layers_per_stage:
@@ -465,6 +474,12 @@ def add_arguments(p) -> None:
     g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
     g.add_argument(
         "--budget", help="device memory per device for --plan auto, --adaptive or a chronos-* policy, e.g. 24GiB"
+    )
+    g.add_argument(
+        "--margin",
+        type=float,
+        help="--plan auto: plan under the budget / (1 + MARGIN), e.g. 0.1 (default: 0 when every device of the "
+        "plan is here, as each pick is compiled and checked; else the ledger's measured error, 0.05)",
     )
     g.add_argument(
         "--hardware",

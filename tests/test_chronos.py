@@ -417,3 +417,53 @@ def test_chronos_trains(capsys):
     assert code == 0 and summary["schedule"] == "chronos" and summary["pipeline_stages"] == 4
     assert summary["policy"] == "chronos-recomp"
     assert summary["loss_last"] < summary["loss_first"]
+
+
+def test_an_under_predicting_ledger_makes_the_planner_fall_back_to_a_pick_that_fits(monkeypatch):
+    """train --plan auto compiles its pick before taking it: with the ledger forced to under-predict
+    the fastest candidate that does not fit (half its bytes), that pick compiles over the budget, and
+    the planner says so and takes the next, whose compiled step fits -- instead of a plan that runs
+    out of memory."""
+    import dataclasses as dc
+
+    from jaxmem.config import TrainConfig
+    from jaxmem.train import _loop, apply_plan
+
+    budget = 6 * 2**20
+    honest = _loop.search
+    forced = {}
+
+    def under_predicting(*args, **kwargs):
+        result = honest(*args, **kwargs)
+        over = [c for c in result.ranked if not c.fits and c.tokens_per_second > result.best.tokens_per_second]
+        bad = dc.replace(over[0], device_bytes=over[0].device_bytes / 2, fits=True)
+        forced.update(bad=bad, honest=result.best)
+        candidates = tuple(bad if c is over[0] else c for c in result.candidates)
+        return dc.replace(result, best=bad, candidates=candidates)
+
+    monkeypatch.setattr(_loop, "search", under_predicting)
+    lines = []
+    config = TrainConfig(plan="auto", budget=budget, devices=4, batch_size=32, seq_len=64, hardware="h100")
+    planned, record = apply_plan(config, log=lines.append)
+    assert record["margin"] == 0.0  # every device is here: compiled and checked instead
+    confirmed = record["confirmed"]
+    (rejected,) = confirmed["rejected"]
+    assert rejected["device_bytes"] == int(forced["bad"].device_bytes) and rejected["compiled_bytes"] > budget
+    assert confirmed["compiled_bytes"] <= budget
+    assert record["best"] == forced["honest"].to_json()
+    assert any("compiles to" in line and "trying the next" in line for line in lines)
+    assert (planned.schedule, planned.microbatches) == (forced["honest"].schedule, forced["honest"].microbatches)
+
+
+def test_the_margin_keeps_a_fraction_of_the_budget_free_where_nothing_is_compiled():
+    from jaxmem.search import LEDGER_MARGIN, confirm, search
+
+    kw = dict(devices=4, budget_bytes=12 * 2**20, hardware="h100", batch=32, seq=64, pipes=[4])
+    plain = search("tiny", margin=0.0, **kw)
+    kept = search("tiny", margin=LEDGER_MARGIN, **kw)
+    assert all(c.device_bytes <= 12 * 2**20 / (1 + LEDGER_MARGIN) for c in kept.candidates if c.fits)
+    assert sum(c.fits for c in kept.candidates) < sum(c.fits for c in plain.candidates)
+    assert any("5% margin" in line for line in kept.explain())
+    # confirm: none of the fastest compiles under the budget -> a clear error, not a pick.
+    with pytest.raises(SearchError, match="fits it when compiled"):
+        confirm(plain, lambda c: 13 * 2**20, log=lambda line: None)

@@ -31,8 +31,12 @@ ledger and the schedule simulator on a hardware profile (h100, tpu-v5p, or cpu =
 machine), and returns the fastest that fits. The optimizer state is sharded over the replicas (ZeRO)
 and the vocabulary over the pipe ranks; communication is priced on the profile's links. MFU = the
 model's FLOPs per token (forward and backward, recompute not counted) x tokens/s / (devices x peak).
-Nothing is compiled: a model's residuals and FLOPs are traced abstractly (the GPT presets use their
-closed form). Exit code 1 when nothing fits, with the smallest budget that would."""
+A model's residuals and FLOPs are traced abstractly (the GPT presets use their closed form) and one
+stage's backward is compiled alone for its working set; the whole step is not compiled, except with
+--hardware cpu and the devices here: then the fastest picks are compiled in turn and the first whose
+memory_analysis() fits is taken, saying which were passed over. Elsewhere the plan keeps a margin
+for the ledger's error free (--margin; default 0.05, its measured band). Exit code 1 when nothing
+fits, with the smallest budget that would."""
 
 
 def add_parser(sub) -> None:
@@ -60,6 +64,12 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=positive_int, help="global batch (default: 32 for tiny, 4 x devices otherwise)")
     p.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's maximum)")
     p.add_argument("--pipe", type=positive_int, action="append", help="only these pipeline sizes (repeatable)")
+    p.add_argument(
+        "--margin",
+        type=float,
+        help="plan under the budget / (1 + MARGIN), e.g. 0.1 (default: 0 with --hardware cpu and the devices here, "
+        "where each pick is compiled and checked; else the ledger's measured error, 0.05)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -75,17 +85,22 @@ def make_plan(
     pipes=None,
     progress: bool = True,
     mesh: dict | None = None,
+    margin: float | None = None,
     **overrides,
 ):
     """Run the configuration search for a model (a preset name, config or StagedModel); ``mesh``
-    (``{"data", "fsdp", "pipe", "tensor"}``): that layout only."""
+    (``{"data", "fsdp", "pipe", "tensor"}``): that layout only. On the CPU profile with the devices
+    here, the fastest picks are compiled in turn and the first that fits is taken; elsewhere the plan
+    keeps ``margin`` free (default :data:`~jaxmem.search.LEDGER_MARGIN`)."""
     import dataclasses
     import sys
+
+    import jax
 
     from jaxmem._errors import JaxmemError
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
-    from jaxmem.search import search
+    from jaxmem.search import LEDGER_MARGIN, confirm, search
 
     if mesh is not None:
         product = mesh["data"] * mesh["fsdp"] * mesh["pipe"] * mesh["tensor"]
@@ -120,6 +135,9 @@ def make_plan(
                 flush=True,
             )
 
+    here = hw.name == "cpu" and devices <= jax.device_count()
+    if margin is not None and not 0 <= margin < 1:
+        raise JaxmemError(f"--margin is a fraction of the budget in [0, 1), e.g. 0.1; got {margin}")
     result = search(
         model,
         devices=devices,
@@ -130,10 +148,38 @@ def make_plan(
         pipes=pipes,
         mesh=mesh,
         progress=report,
+        margin=(0.0 if here else LEDGER_MARGIN) if margin is None else margin,
     )
     if progress:
         print(file=sys.stderr)
+    if here:
+        result = confirm(
+            result, lambda c: _compiled_bytes(model, c, batch, seq), log=lambda m: print(m, file=sys.stderr)
+        )
     return result, batch, seq
+
+
+def _compiled_bytes(model, c, batch: int, seq: int) -> float:
+    """Per-device bytes of a candidate's compiled step (nothing allocated)."""
+    from jaxmem._util import compiled_bytes
+    from jaxmem.config import TrainConfig
+    from jaxmem.train import Trainer
+
+    config = TrainConfig(
+        model=model,
+        schedule=c.schedule,
+        virtual=c.virtual if c.schedule == "interleaved-1f1b" else None,
+        stages=c.pipe,
+        data_parallel=c.data,
+        fsdp=c.fsdp,
+        tensor=c.tensor,
+        microbatches=c.microbatches,
+        batch_size=batch,
+        seq_len=seq,
+        policy=c.policy,
+        steps=1,
+    )
+    return compiled_bytes(Trainer(config).compile_abstract())
 
 
 def run(args) -> int:
@@ -152,11 +198,12 @@ def run(args) -> int:
         args.pipe,
         progress=not args.json,
         mesh=mesh,
+        margin=args.margin,
         **model_overrides(args),
     )
     record = result.to_json()
     mfu = _mfu(result, batch, seq, args, result.devices)
-    command = train_command(result.best, args, batch, seq)
+    command = train_command(result.best, args, batch, seq, result.planned_bytes if result.margin else None)
     record.update({"batch_size": batch, "seq_len": seq, "mfu": mfu, "train_command": command})
     if args.json:
         print_json(record)
@@ -168,16 +215,19 @@ def run(args) -> int:
             print(line)
         if result.best is not None and result.best.note:
             print(f"  policy detail: {result.best.note}")
-        print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted")
+        checked = " (the pick's bytes also compiled, above)" if result.confirmed else ""
+        print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted{checked}")
         if command:
             print(f"to train it: {command}")
     return 0 if result.best is not None else 1
 
 
-def train_command(best, args, batch: int, seq: int) -> str | None:
-    """The ``jaxmem train`` command line that runs the pick (None when nothing fits)."""
+def train_command(best, args, batch: int, seq: int, planned: float | None = None) -> str | None:
+    """The ``jaxmem train`` command line that runs the pick (None when nothing fits; ``planned``:
+    the budget less the margin, which a generated policy was made for)."""
     if best is None:
         return None
+    import math
     import shlex
 
     from jaxmem.config import GENERATED_POLICIES
@@ -194,7 +244,8 @@ def train_command(best, args, batch: int, seq: int) -> str | None:
     words += ["--policy", best.policy_name]
     if best.policy_name in GENERATED_POLICIES:
         # Generated for this layout under the budget on the profile: the same inputs make the same policy.
-        words += ["--budget", args.budget, "--hardware", args.hardware]
+        budget = args.budget if planned is None else f"{math.floor(planned)}"
+        words += ["--budget", budget, "--hardware", args.hardware]
     return shlex.join(words)
 
 

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError
-from jaxmem._util import human_bytes, tree_bytes
+from jaxmem._util import compiled_bytes, human_bytes, tree_bytes
 from jaxmem.config import TrainConfig
 from jaxmem.memory import get_hardware
 from jaxmem.policy import from_spec
-from jaxmem.search import SearchError, search
+from jaxmem.search import LEDGER_MARGIN, SearchError, confirm, search
 from jaxmem.train._adaptive import train_adaptive
 from jaxmem.train._console import StopRequests, console_log
 from jaxmem.train._hooks import Hook, StepInfo, default_hooks
@@ -43,6 +43,10 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
             f"{human_bytes(floor)} per device however they are cut (pass a larger --budget, or more devices)",
             floor,
         )
+    # The run compiles here, so each pick is compiled and checked before it is taken (no margin
+    # needed); a plan for more devices than this machine has keeps the ledger's measured margin.
+    here = devices <= jax.device_count()
+    margin = config.margin if config.margin is not None else (0.0 if here else LEDGER_MARGIN)
     result = search(
         model,
         devices=devices,
@@ -52,6 +56,7 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         seq=config.seq_len,
         zero=config.zero,
         vocab_parallel=config.vocab_parallel,
+        margin=margin,
     )
     if result.best is None:  # said once, as the error (the search's own explanation says the same)
         need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit
@@ -60,10 +65,19 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
             f"smallest plan needs {need} (pass --budget {need} or more, or more devices)",
             result.smallest_budget,
         )
+    if here:
+        log("plan: compiling the pick to check it fits ...")
+        result = confirm(
+            result, lambda c: compiled_bytes(Trainer(_planned(config, c, devices)).compile_abstract()), log=log
+        )
     for line in result.explain(top=3):
         log(line)
-    best = result.best
-    planned = dataclasses.replace(
+    return _planned(config, result.best, devices), result.to_json()
+
+
+def _planned(config: TrainConfig, best, devices: int) -> TrainConfig:
+    """``config`` with the pipeline settings of a search's candidate."""
+    return dataclasses.replace(
         config,
         plan=None,
         schedule=best.schedule,
@@ -77,8 +91,8 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
         policy=best.policy,
         devices=devices,
         budget=config.budget if config.run_dir else None,  # past planning, only metrics show it
+        margin=None,
     )
-    return planned, result.to_json()
 
 
 def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:

@@ -228,6 +228,18 @@ class Trainer:
         """The lowered (not yet compiled) step, e.g. for ``.compile().memory_analysis()``."""
         return self.step_fn.lower(state.params, state.opt_state, self.batch_spec())
 
+    def compile_abstract(self):
+        """The compiled step for this trainer's state as shapes and shardings: nothing allocated (for
+        ``memory_analysis()`` of a layout before choosing it)."""
+
+        def spec(a, sharding):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        abstract = self.pipeline.abstract_params()
+        params = jax.tree.map(spec, abstract, self.pipeline.shardings())
+        opt_state = jax.tree.map(spec, jax.eval_shape(self.optimizer.init, abstract), self.opt_state_shardings())
+        return self.step_fn.lower(params, opt_state, self.batch_spec()).compile()
+
     def measure_memory(self, state: TrainState | None = None, compiled=None):
         """The compiled ledger of this trainer's step (:func:`jaxmem.memory.measure`); compiles the step
         unless given, builds a state unless given."""
