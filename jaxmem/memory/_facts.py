@@ -7,13 +7,17 @@ For a stage (its role, its number of layers, a bound memory policy) and a sequen
   (:func:`jaxmem.pipeline.analyze_stage`, the executor's own analysis);
 - the FLOPs of its forward and of its backward (which includes what the policy recomputes), from
   ``cost_analysis()`` of the lowered forward and pullback (lowered, never compiled or run);
-- the stage's full activation volume (its save-all stash), which sizes the backward's working set.
+- the stage's full activation volume (its save-all stash);
+- the backward's working set: the temporaries ``memory_analysis()`` reports for the stage's pullback
+  compiled alone, on the backend at hand (the one compile here, cached per stage role, policy and
+  sequence length, and shared by built-in models that differ only in depth).
 
-Tracing is abstract and done at one sequence per microbatch: residuals and FLOPs both grow linearly
-with the microbatch (every stashed value carries the batch axis). A stage of more than two layers is
-extrapolated from traces of one and two layers (layers are identical, so each adds the same), which
-keeps a planner's search over a 48-layer model as cheap as over a 2-layer one; a test checks the
-extrapolation against direct traces.
+Tracing is abstract and done at one sequence per microbatch (the working set is compiled at
+``WORKSET_MICROBATCH``): residuals, FLOPs and the working set grow linearly with the microbatch
+(every stashed value carries the batch axis). A stage of more than two layers is extrapolated from
+one and two layers (layers are identical, so each adds the same), which keeps a planner's search
+over a 48-layer model as cheap as over a 2-layer one; a test checks the extrapolation against direct
+traces.
 
 jaxmem's GPT also has closed-form figures (``jaxmem/memory/_model.py``): its residuals are derived from
 which values each op's backward reads, its FLOPs are its matmuls. That fast path is used when a
