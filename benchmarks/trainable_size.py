@@ -99,9 +99,8 @@ def _deepest_above_floor(base, method, args, hardware, floor, layers, cand):
 
 def validate_on_cpu(args):
     """Ledger vs memory_analysis() on depths of a narrow GPT (the tiny preset's width) that compile here."""
+    from jaxmem.cli.memory import ledger_report
     from jaxmem.config import TrainConfig
-    from jaxmem.memory import compare, predict
-    from jaxmem.train import Trainer
 
     rows = []
     for layers in (8, 16):
@@ -117,9 +116,7 @@ def validate_on_cpu(args):
                 policy=policy,
                 steps=1,
             )
-            trainer = Trainer(config)
-            predicted = predict(model, trainer.schedule, policy, batch=32, seq=64)
-            report = compare(predicted, trainer.measure_memory())
+            report = ledger_report(config, "yes")
             rows.append(
                 {
                     "layers": layers,

@@ -215,11 +215,11 @@ def family(name: str, layers: int = 8):
 
 def ledger_against_compiled(model, schedule: str, policy: str, **axes) -> tuple[float, float, float]:
     """``(predicted, compiled, error)`` device bytes of one train step (batch 32 x 64, M=8; ``axes``:
-    ``stages`` (default 4), ``data_parallel``, ``fsdp``, ``tensor``); the error is the rank's with the
-    largest ``predicted / compiled - 1`` in size."""
+    ``stages`` (default 4), ``data_parallel``, ``fsdp``, ``tensor``), from ``jaxmem memory
+    --compile yes``'s report; the error is the rank's with the largest ``predicted / compiled - 1`` in
+    size."""
+    from jaxmem.cli.memory import ledger_report
     from jaxmem.config import TrainConfig
-    from jaxmem.memory import compare, predict
-    from jaxmem.train import Trainer
 
     axes = {"stages": 4, **axes}
     config = TrainConfig(
@@ -233,17 +233,6 @@ def ledger_against_compiled(model, schedule: str, policy: str, **axes) -> tuple[
         steps=1,
         **axes,
     )
-    trainer = Trainer(config)
-    compiled = trainer.measure_memory()
-    predicted = predict(
-        trainer.model,
-        trainer.schedule,
-        policy,
-        batch=32,
-        seq=64,
-        data_parallel=config.data_parallel,
-        fsdp=config.fsdp,
-        tensor=config.tensor,
-    )
-    error = max((r["prediction_error"] for r in compare(predicted, compiled)["ranks"]), key=abs)
-    return predicted.max_device_bytes, compiled.meta["compiled_device_bytes"], error
+    ranks = ledger_report(config, "yes")["ranks"]
+    error = max((r["prediction_error"] for r in ranks), key=abs)
+    return max(r["predicted_device_bytes"] for r in ranks), ranks[0]["compiled_device_bytes"], error

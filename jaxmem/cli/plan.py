@@ -136,8 +136,6 @@ def make_plan(
             )
 
     here = hw.name == "cpu" and devices <= jax.device_count()
-    if margin is not None and not 0 <= margin < 1:
-        raise JaxmemError(f"--margin is a fraction of the budget in [0, 1), e.g. 0.1; got {margin}")
     result = search(
         model,
         devices=devices,
@@ -154,31 +152,18 @@ def make_plan(
         print(file=sys.stderr)
     if here:
         result = confirm(
-            result, lambda c: _compiled_bytes(model, c, batch, seq), log=lambda m: print(m, file=sys.stderr)
+            result, lambda c: _compiled_bytes(model, c, batch, seq, devices), log=lambda m: print(m, file=sys.stderr)
         )
     return result, batch, seq
 
 
-def _compiled_bytes(model, c, batch: int, seq: int) -> float:
+def _compiled_bytes(model, c, batch: int, seq: int, devices: int) -> float:
     """Per-device bytes of a candidate's compiled step (nothing allocated)."""
     from jaxmem._util import compiled_bytes
     from jaxmem.config import TrainConfig
-    from jaxmem.train import Trainer
+    from jaxmem.train import Trainer, planned_config
 
-    config = TrainConfig(
-        model=model,
-        schedule=c.schedule,
-        virtual=c.virtual if c.schedule == "interleaved-1f1b" else None,
-        stages=c.pipe,
-        data_parallel=c.data,
-        fsdp=c.fsdp,
-        tensor=c.tensor,
-        microbatches=c.microbatches,
-        batch_size=batch,
-        seq_len=seq,
-        policy=c.policy,
-        steps=1,
-    )
+    config = planned_config(TrainConfig(model=model, batch_size=batch, seq_len=seq, steps=1), c, devices)
     return compiled_bytes(Trainer(config).compile_abstract())
 
 

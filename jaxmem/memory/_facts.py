@@ -432,7 +432,6 @@ class ModelFacts:
         cache = self._cache if self._depthless is None else _WORKING.setdefault(self._depthless, {})
         if key not in cache:
             import jax
-            import jax.numpy as jnp
 
             from jaxmem.pipeline import analyze_stage, stage_forward
 
@@ -441,38 +440,35 @@ class ModelFacts:
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
             x, batch, shared = self.message(mb, seq), self.batch(mb, seq), self._stage_shared(vocab)
             plan = analyze_stage(fn, stage, shared, x, batch, stash_to_host=policy.offload_stash)
-            packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items()}
-            ct = jax.tree_util.tree_unflatten(
-                plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals]
-            )
-
-            def backward_fn(stage, shared, batch, packed, ct):
-                return plan.pullback(stage, shared, x, batch, packed)(ct)
-
-            compiled = jax.jit(backward_fn).lower(stage, shared, batch, packed, ct).compile()
+            compiled = _lower_pullback(plan, stage, shared, x, batch).compile()
             cache[key] = float(compiled.memory_analysis().temp_size_in_bytes) / mb
         return cache[key]
 
     def _flops(self, plan, stage, x, seq, vocab=False) -> tuple[float, float]:
         """``cost_analysis()`` FLOPs of the lowered forward and pullback of a traced stage."""
         import jax
-        import jax.numpy as jnp
         from jax.extend.core import jaxpr_as_fun
 
         batch = self.batch(1, seq)
         shared = self._stage_shared(vocab)
         flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
-        packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items()}
-        ct = jax.tree_util.tree_unflatten(
-            plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals]
-        )
+        return forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
 
-        def backward_fn(stage, shared, batch, packed, ct):
-            return plan.pullback(stage, shared, x, batch, packed)(ct)
 
-        backward = _cost_flops(jax.jit(backward_fn).lower(stage, shared, batch, packed, ct))
-        return forward, backward
+def _lower_pullback(plan, stage, shared, x, batch):
+    """The stage's pullback, lowered abstractly: from its parameters, the batch, a stash slot and the
+    output's cotangent to the gradients (what the executor's backward branch runs)."""
+    import jax
+    import jax.numpy as jnp
+
+    packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items()}
+    ct = jax.tree_util.tree_unflatten(plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals])
+
+    def backward_fn(stage, shared, batch, packed, ct):
+        return plan.pullback(stage, shared, x, batch, packed)(ct)
+
+    return jax.jit(backward_fn).lower(stage, shared, batch, packed, ct)
 
 
 def _cost_flops(lowered) -> float:

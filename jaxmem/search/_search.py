@@ -449,8 +449,8 @@ def search(
             "size must divide the devices, the stages must divide the layers, the batch must divide into "
             "data x microbatches"
         )
-    if margin < 0:
-        raise JaxmemError(f"the margin is a fraction of the budget >= 0 (e.g. 0.05), got {margin}")
+    if not 0 <= margin < 1:
+        raise JaxmemError(f"the margin (--margin) is a fraction of the budget in [0, 1), e.g. 0.1; got {margin}")
     planned = budget_bytes / (1 + margin)
     candidates = []
     for i, (schedule, data, fsdp_size, tensor) in enumerate(pairs):

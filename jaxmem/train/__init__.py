@@ -23,6 +23,7 @@ from jaxmem.train._hooks import StepInfo as StepInfo
 from jaxmem.train._hooks import default_hooks as default_hooks
 from jaxmem.train._loop import TrainingError as TrainingError
 from jaxmem.train._loop import apply_plan as apply_plan
+from jaxmem.train._loop import planned_config as planned_config
 from jaxmem.train._loop import train as train
 from jaxmem.train._metrics import MetricsHook as MetricsHook
 from jaxmem.train._metrics import model_flops_per_step as model_flops_per_step

@@ -23,7 +23,7 @@ from jaxmem.train._metrics import MetricsHook, model_flops_per_step
 from jaxmem.train._state import scalar
 from jaxmem.train._trainer import Trainer
 
-__all__ = ["TrainingError", "apply_plan", "train"]
+__all__ = ["TrainingError", "apply_plan", "planned_config", "train"]
 
 
 def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[TrainConfig, dict]:
@@ -68,15 +68,16 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
     if here:
         log("plan: compiling the pick to check it fits ...")
         result = confirm(
-            result, lambda c: compiled_bytes(Trainer(_planned(config, c, devices)).compile_abstract()), log=log
+            result, lambda c: compiled_bytes(Trainer(planned_config(config, c, devices)).compile_abstract()), log=log
         )
     for line in result.explain(top=3):
         log(line)
-    return _planned(config, result.best, devices), result.to_json()
+    return planned_config(config, result.best, devices), result.to_json()
 
 
-def _planned(config: TrainConfig, best, devices: int) -> TrainConfig:
-    """``config`` with the pipeline settings of a search's candidate."""
+def planned_config(config: TrainConfig, best, devices: int) -> TrainConfig:
+    """``config`` with the pipeline settings of a search's candidate (a
+    :class:`~jaxmem.search.Candidate`) on ``devices``."""
     return dataclasses.replace(
         config,
         plan=None,
