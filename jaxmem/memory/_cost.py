@@ -389,23 +389,35 @@ def gradient_sync_seconds(
     fsdp: int = 1,
     tensor: int = 1,
     vocab: bool = False,
+    master_cut: bool = False,
 ) -> float:
     """Seconds of the step's gradient reduction after the pipeline and the parameters' return after the
     update, on profiles with links: per stage leaf, a reduce-scatter over the replicas that hold it
     whole and an all-gather of the new values (an all-reduce's traffic; ZeRO or not); the shared
-    leaves over every device, the vocabulary slices over the replicas. Not overlapped with the
-    backward: the executor reduces after its last tick."""
+    leaves over every device, the vocabulary slices over the replicas. With ``master_cut`` the
+    all-gather moves the compute copy (16-bit where the model casts) instead of the master weights.
+    Not overlapped with the backward: the executor reduces after its last tick."""
     hardware = get_hardware(hardware)
     ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
     static = facts.static_bytes(
         ranks, max(max(layer_counts), 1), virtual, data=data_parallel, fsdp=fsdp, tensor=tensor, zero=True, vocab=vocab
     )
+
+    def sync(nbytes, copy_ratio, group, stride):
+        if not master_cut:
+            return hardware.collective_seconds("all_reduce", nbytes, group, stride)
+        return hardware.collective_seconds("reduce_scatter", nbytes, group, stride) + hardware.collective_seconds(
+            "all_gather", nbytes * copy_ratio, group, stride
+        )
+
+    stage_ratio = sum(static.stage_copy) / sum(static.stage_params) if sum(static.stage_params) else 1.0
+    shared_ratio = static.shared_copy / static.shared_params if static.shared_params else 1.0
     stride = fsdp * ranks * tensor  # the data axis's devices are fsdp x pipe x tensor apart
-    seconds = hardware.collective_seconds("all_reduce", sum(static.stage_params), data_parallel, stride)
+    seconds = sync(sum(static.stage_params), stage_ratio, data_parallel, stride)
     shared = facts.stage_shared_bytes(vocab) / fsdp
-    seconds += hardware.collective_seconds("all_reduce", shared, data_parallel * ranks, fsdp * tensor)
+    seconds += sync(shared, shared_ratio, data_parallel * ranks, fsdp * tensor)
     tables = static.shared_params - shared
-    seconds += hardware.collective_seconds("all_reduce", tables, data_parallel * fsdp, ranks * tensor)
+    seconds += sync(tables, shared_ratio, data_parallel * fsdp, ranks * tensor)
     return seconds
 
 
@@ -471,7 +483,7 @@ def estimate(
     True
     """
     from jaxmem.memory._facts import model_facts
-    from jaxmem.memory._ledger import predict, uses_vocab_split
+    from jaxmem.memory._ledger import master_cut, policy_offloads, predict, uses_vocab_split
     from jaxmem.models import get_model
     from jaxmem.pipeline import split_layers
     from jaxmem.policy import resolve
@@ -523,8 +535,23 @@ def estimate(
         compute = hardware.oversubscribed * shared_core_step_seconds(
             schedule, costs, replicas * tensor, hardware.cores, hardware.flops_per_second, hardware.lockstep
         )
+    sizes = {"data": data_parallel, "fsdp": fsdp, "tensor": tensor, "zero": zero, "vocab": vocab}
+    cut = master_cut(
+        facts.static_bytes(schedule.num_ranks, max(max(counts), 1), schedule.num_stages // schedule.num_ranks, **sizes),
+        zero=zero,
+        data=data_parallel,
+        offloads=policy_offloads(resolved, schedule),
+    )
     sync = gradient_sync_seconds(
-        facts, schedule, counts, hardware, data_parallel=data_parallel, fsdp=fsdp, tensor=tensor, vocab=vocab
+        facts,
+        schedule,
+        counts,
+        hardware,
+        data_parallel=data_parallel,
+        fsdp=fsdp,
+        tensor=tensor,
+        vocab=vocab,
+        master_cut=cut,
     )
     step = compute + transfers + sync
     return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step, sync)

@@ -53,6 +53,9 @@ class StaticBytes:
             cut further over the replicas with ZeRO.
         gathered: what FSDP adds while a stage runs: its weights gathered whole beyond the local
             shard (and the shared ones'), once; the whole gradient before its reduce-scatter is as large.
+        stage_copy / shared_copy: the parameters as the stages read them, placed as the parameters:
+            cast to the compute dtype where the model casts them (:mod:`jaxmem.pipeline._compute_copy`).
+            With the master weights cut, the step holds this copy beside the cut master weights.
     """
 
     stage_params: tuple[float, ...]
@@ -60,6 +63,8 @@ class StaticBytes:
     stage_state: tuple[float, ...]
     shared_state: float
     gathered: float
+    stage_copy: tuple[float, ...] = ()
+    shared_copy: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +234,8 @@ class ModelFacts:
                     )
                 )
 
+            copy_layer, copy_shared = self._compute_copy(vocab, ranks)
+            copy_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, layers, *a.shape), a.dtype), copy_layer)
             stage_params = per_device(stage, placement.stages[0], "params")
             shared_params = per_device(shared, placement.shared, "params")
             # What a running stage holds once gathered over fsdp (still cut over tensor).
@@ -246,8 +253,27 @@ class ModelFacts:
                 shared_state=per_device(shared, placement.shared, "state")
                 + per_device(tables, placement.vocab, "state"),
                 gathered=float(gathered),
+                stage_copy=(per_device(copy_stage, placement.stages[0], "params"),) * virtual,
+                shared_copy=per_device(copy_shared.shared, placement.shared, "params")
+                + per_device(copy_shared.vocab, placement.vocab, "params"),
             )
         return self._cache[key]
+
+    def _compute_copy(self, vocab: bool, ranks: int):
+        """One layer and the shared parameters (a PipelineParams without stages, the tables split
+        over ``ranks`` when ``vocab``) as the stages read them: cast where the model casts them."""
+        import jax
+
+        from jaxmem.pipeline import PipelineParams, split_vocab
+        from jaxmem.pipeline._compute_copy import compute_model_abstract, narrow_vocab
+
+        seq = min(16, self.model.max_seq_len or 16)
+        layers, shared = self.model.split(compute_model_abstract(self.model, self.message(1, seq), self.batch(1, seq)))
+        tables = {}
+        if vocab:
+            shared, tables = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, ranks), shared)
+        out = narrow_vocab(PipelineParams(stages=(), shared=shared, vocab=tables), self.model.vocab if vocab else None)
+        return layers[0], out
 
     def whole(self, microbatch: int, seq: int) -> StageFacts:
         """The whole model as one stage under save-all (nothing recomputed): a plain step's facts."""

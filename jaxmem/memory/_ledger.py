@@ -170,6 +170,9 @@ def predict(
         return Bytes(sum(per_stage) - host + shared, host)
 
     params = split(static.stage_params, static.shared_params, weights_host)
+    if master_cut(static, zero=zero, data=data_parallel, offloads=policy_offloads(resolved, schedule)):
+        # The master weights cut like one optimizer array, and the copy the stages read.
+        params = Bytes(sum(static.stage_state) + static.shared_state + sum(static.stage_copy) + static.shared_copy, 0)
     grads = Bytes(sum(static.stage_params) + static.shared_params, 0)  # the step's accumulators
     k = optimizer_moments
     optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
@@ -238,6 +241,21 @@ def _rank_ledgers(num_ranks, params, grads, optimizer, stash, transient, live) -
         "transient": Bytes(transient, 0),
     }
     return tuple(RankLedger(rank=r, categories=dict(categories), live_stash_bytes=live[r]) for r in range(num_ranks))
+
+
+def policy_offloads(resolved, schedule) -> bool:
+    """The policy puts some stage's weights or optimizer state on host."""
+    stages = schedule.stages_of(0)
+    return any(resolved.offload_weights(s) or resolved.offload_optimizer_state(s) for s in stages)
+
+
+def master_cut(static, *, zero: bool, data: int, offloads: bool) -> bool:
+    """Whether a layout's master weights are cut over the replicas (as the Pipeline's ``master_cut``
+    decides by default): allowed there, and the model casts some parameter to a narrower dtype."""
+    from jaxmem.pipeline import may_cut_master
+
+    narrower = sum(static.stage_copy) + static.shared_copy < sum(static.stage_params) + static.shared_params
+    return may_cut_master(zero=zero, data=data, offloads=offloads) and narrower
 
 
 def uses_vocab_split(model, ranks: int, vocab_parallel: bool | None = None) -> bool:
@@ -346,6 +364,11 @@ def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
     param_bytes = _array_bytes(params)
     optimizer = _array_bytes(opt_state)
     grads = Bytes(param_bytes.device + param_bytes.host, 0)
+    if pipeline.master_cut:
+        # The kept arrays are the cut master weights; beside them the step holds the compute copy,
+        # and its gradient accumulators are whole, in the master's dtype.
+        param_bytes = Bytes(param_bytes.device + pipeline.placed_bytes(pipeline.compute_abstract()), param_bytes.host)
+        grads = Bytes(pipeline.placed_bytes(pipeline.abstract_params()), 0)
     stash_dev, stash_host, live = _arena_bytes(tick)
     total_device = compiled_bytes(compiled)
     host_reported = (

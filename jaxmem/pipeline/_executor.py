@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmem._errors import JaxmemError
 from jaxmem.models import RNG_SPEC, StagedModel, get_model, microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
+from jaxmem.pipeline._compute_copy import compute_model_abstract, may_cut_master, narrow_vocab
 from jaxmem.pipeline._cut import CutArena, as_rows
 from jaxmem.pipeline._placement import (
     AXES,
@@ -192,6 +193,11 @@ class Pipeline:
         vocab_parallel: split the vocabulary tables over the pipe ranks (see
             :mod:`jaxmem.pipeline._vocab`); by default when the model says where they are
             (``StagedModel.vocab``) and there are several ranks.
+        master_cut: keep the master weights cut over the replicas like the optimizer state, and run
+            the stages on a copy cast to the compute dtype (:mod:`jaxmem.pipeline._compute_copy`;
+            :meth:`compute_params` makes it). By default with ``zero``, several ``data`` replicas,
+            a model that casts some parameter to a narrower dtype where it uses it, and no weights or
+            optimizer state offloaded by the policy.
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
     step (see ``examples/train_own_model.py``).
@@ -208,6 +214,7 @@ class Pipeline:
         drop_layers: frozenset[int] = frozenset(),
         zero: bool = True,
         vocab_parallel: bool | None = None,
+        master_cut: bool | None = None,
     ):
 
         validate(schedule)
@@ -245,6 +252,12 @@ class Pipeline:
         self.optimizer_state_on_host = tuple(
             self.policy.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(self.virtual)
         )
+        self._master_cut = master_cut
+        if master_cut and not self._may_cut_master():
+            raise JaxmemError(
+                "master_cut needs ZeRO (zero=True), more than one data replica and no weights or optimizer "
+                "state offloaded by the policy"
+            )
         self._programs: dict[tuple, tuple[TickProgram, dict]] = {}
         self._grad_fns: dict[tuple, object] = {}
         self._jitted: dict[tuple, object] = {}
@@ -263,6 +276,7 @@ class Pipeline:
             drop_layers=drop_layers,
             zero=self.zero,
             vocab_parallel=self.vocab is not None,
+            master_cut=self.master_cut,
         )
 
     # ------------------------------------------------------------------ parameters
@@ -304,6 +318,64 @@ class Pipeline:
         if not hasattr(self, "_abstract"):
             self._abstract = jax.eval_shape(self.from_model_params, self.model.abstract_params())
         return self._abstract
+
+    def _may_cut_master(self) -> bool:
+        offloads = any(self.weights_on_host) or any(self.optimizer_state_on_host)
+        return may_cut_master(zero=self.zero, data=self.data, offloads=offloads)
+
+    def placed_bytes(self, abstract: PipelineParams, which: str = "params") -> float:
+        """Per-device bytes of a tree in this pipeline's layout (e.g. :meth:`compute_abstract`) placed
+        as the parameters (``which="params"``) or the optimizer state (``"state"``)."""
+        placement = self.placement
+        total = 0.0
+        for tree, places in zip(
+            (abstract.stages, abstract.shared, abstract.vocab), (placement.stages, placement.shared, placement.vocab)
+        ):
+            pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(places, is_leaf=_is_placement), strict=True)
+            total += sum(p.device_elems(which, self.sizes) * jnp.dtype(a.dtype).itemsize for a, p in pairs)
+        return float(total)
+
+    @property
+    def master_cut(self) -> bool:
+        """The master weights are cut over the replicas and the stages read a narrower copy (see the
+        ``master_cut`` argument)."""
+        if self._master_cut is None:
+            self._master_cut = self._may_cut_master() and _narrower(self.compute_abstract(), self.abstract_params())
+        return self._master_cut
+
+    def compute_abstract(self) -> PipelineParams:
+        """The parameters the stages read, abstract: the master weights' leaves cast to the compute
+        dtype wherever the model casts them on use (:mod:`jaxmem.pipeline._compute_copy`)."""
+        if not hasattr(self, "_compute"):
+            self._compute = narrow_vocab(jax.eval_shape(self.from_model_params, self._compute_model()), self.vocab)
+        return self._compute
+
+    def _compute_model(self):
+        """:meth:`compute_abstract` in the model's own layout."""
+        seq = min(16, self.model.max_seq_len or 16)
+        micro = batch_spec(1, seq)
+        shared = self.model.split(self.model.abstract_params())[1]
+        with _naming_batch_keys(self.model, micro):
+            return compute_model_abstract(self.model, jax.eval_shape(self.model.embed, shared, micro), micro)
+
+    def stage_abstract(self) -> PipelineParams:
+        """What the stages are traced with: :meth:`compute_abstract` with ``master_cut``, else the
+        parameters themselves."""
+        return self.compute_abstract() if self.master_cut else self.abstract_params()
+
+    def master_shardings(self) -> PipelineParams:
+        """Where a training state keeps the parameters: cut like the optimizer state with
+        ``master_cut``, else :meth:`shardings`."""
+        return self.state_shardings() if self.master_cut else self.shardings()
+
+    def compute_params(self, master: PipelineParams) -> PipelineParams:
+        """Inside a jitted step: the parameters the stages read from the master weights, cast where the
+        model casts them and gathered to :meth:`shardings` (16-bit all-gathers); the master weights
+        themselves without ``master_cut``."""
+        if not self.master_cut:
+            return master
+        cast = jax.tree.map(lambda m, c: m.astype(c.dtype), master, self.compute_abstract())
+        return jax.lax.with_sharding_constraint(cast, self.shardings())
 
     @property
     def placement(self) -> Placement:
@@ -428,7 +500,10 @@ class Pipeline:
         """What one stage sends the next for a batch: the model's embedding output, abstract."""
         micro = self.microbatch_spec(batch)
         with _naming_batch_keys(self.model, micro):
-            return jax.eval_shape(self.model.embed, self.model.split(self.model.abstract_params())[1], micro)
+            shared = self.model.split(self.model.abstract_params())[1]
+            if self.master_cut:
+                shared = self.model.split(self._compute_model())[1]
+            return jax.eval_shape(self.model.embed, shared, micro)
 
     def _check_tags(self, abstract: PipelineParams, message, micro) -> None:
         """Every tag the model's stage functions emit must be declared (a policy would silently
@@ -454,7 +529,7 @@ class Pipeline:
         ``batch``: a batch dict or spec, or a batch size with ``seq``."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
         micro = self.microbatch_spec(spec)
-        abstract = self.abstract_params()
+        abstract = self.stage_abstract()
         message = self.message_spec(spec)
         bad = [a for a in jax.tree.leaves(message) if not jnp.issubdtype(a.dtype, jnp.floating)]
         if bad:
@@ -496,8 +571,10 @@ class Pipeline:
     def grad_fn(self, batch, seq: int | None = None):
         """``fn(params, batch, rng=None) -> (loss, grads)`` for batches like ``batch`` (a batch dict or
         spec, or a batch size with ``seq`` for tokens and targets only); not jitted (use it inside a
-        jitted step). ``rng``: the step's key, required when the model draws random numbers
-        (:attr:`~jaxmem.models.StagedModel.rng`), e.g. ``jax.random.fold_in(key, step)``."""
+        jitted step). ``params``: the master weights or their compute copy (:meth:`compute_params`);
+        the gradients come in the master weights' dtypes. ``rng``: the step's key, required when the
+        model draws random numbers (:attr:`~jaxmem.models.StagedModel.rng`), e.g.
+        ``jax.random.fold_in(key, step)``."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
         key = _key(spec)
         if key not in self._grad_fns:
@@ -536,7 +613,9 @@ class Pipeline:
 
         stage_ids = jnp.asarray([self.schedule.stages_of(r) for r in range(pipe_size)], jnp.int32)
         uses_rng = self.model.rng
-        placement, abstract = self.placement, self.abstract_params()
+        # The stages read ``abstract`` (the compute copy with master_cut); the gradients accumulate in
+        # the master weights' dtypes.
+        placement, abstract, master = self.placement, self.stage_abstract(), self.abstract_params()
         stage_places = [jax.tree.leaves(t, is_leaf=_is_placement) for t in placement.stages]
         shared_places = jax.tree.leaves(placement.shared, is_leaf=_is_placement)
         shared_treedef = jax.tree.structure(abstract.shared)
@@ -666,12 +745,12 @@ class Pipeline:
                 leaves, treedef = jax.tree.flatten(d_params)
                 acc = jax.tree.leaves(grads[local])
                 grads[local] = treedef.unflatten(
-                    [a + _vary(scatter(d, p, 1)) for a, d, p in zip(acc, leaves, stage_places[local])]
+                    [a + _vary(scatter(d.astype(a.dtype), p, 1)) for a, d, p in zip(acc, leaves, stage_places[local])]
                 )
                 shared_acc = jax.tree.leaves(shared_grads)
                 shared_grads = shared_treedef.unflatten(
                     [
-                        a + _vary(scatter(d, p)) if used else a
+                        a + _vary(scatter(d.astype(a.dtype), p)) if used else a
                         for a, d, p, used in zip(shared_acc, jax.tree.leaves(d_shared), shared_places, plan.used_shared)
                     ]
                 )
@@ -853,6 +932,10 @@ class Pipeline:
                 buf = _vary(jnp.zeros((length,), jnp.dtype(dtype_name)))
                 return jax.device_put(buf, jax.memory.Space.Host) if space == "host" else buf
 
+            def accumulators(local, like):
+                """Zero gradients of the local values' shapes, in the master weights' dtypes."""
+                return jax.tree.map(lambda a, m: _vary(jnp.zeros(a.shape, m.dtype)), local, like)
+
             def message_buffer(slots):
                 return jax.tree.map(lambda a: _vary(jnp.zeros((slots + 1, *a.shape), a.dtype)), message_spec)
 
@@ -860,9 +943,9 @@ class Pipeline:
                 message_buffer(tick.act_slots),
                 message_buffer(tick.grad_slots),
                 tuple(arena_buffer(k, n, c) for k, n, c in zip(keys, tick.arena_elems, cuts)),
-                tuple(jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), t) for t in stage_params),
-                jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), shared),
-                jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), vocab),
+                tuple(accumulators(t, m) for t, m in zip(stage_params, master.stages)),
+                accumulators(shared, master.shared),
+                accumulators(vocab, master.vocab),
                 (zero, zero),
             )
             carry, _ = jax.lax.scan(tick_step, carry, (table_local[0], vocab_table))
@@ -930,12 +1013,20 @@ class Pipeline:
                     f"this gradient function was built for batches {want}; got {dict(g[:2] for g in given)}: "
                     "build one per batch structure with grad_fn(batch)"
                 )
+            if self.master_cut:  # master weights given: the stages read them cast (a no-op on a compute copy)
+                params = jax.tree.map(lambda a, c: a.astype(c.dtype), params, abstract)
             loss, grads, shared_grads, vocab_grads = sharded(
                 params.stages, params.shared, params.vocab, batch, table, vocab_ticks, rng
             )
             return loss, PipelineParams(stages=grads, shared=shared_grads, vocab=vocab_grads)
 
         return grad_fn
+
+
+def _narrower(tree, than) -> bool:
+    """Some leaf of ``tree`` has a narrower dtype than its twin in ``than``."""
+    pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(than), strict=True)
+    return any(jnp.dtype(a.dtype).itemsize < jnp.dtype(b.dtype).itemsize for a, b in pairs)
 
 
 @contextlib.contextmanager

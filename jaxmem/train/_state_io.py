@@ -101,7 +101,7 @@ class TrainStateReader(StateReader):
         """This run's state, abstract, with its shardings."""
         trainer = self.trainer
         abstract = layout_state(trainer.model, trainer.optimizer, self.layout)
-        shardings = {"params": trainer.pipeline.shardings(), "opt_state": trainer.opt_state_shardings()}
+        shardings = {"params": trainer.pipeline.master_shardings(), "opt_state": trainer.opt_state_shardings()}
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     def expected(self, meta: dict):
@@ -258,7 +258,7 @@ def _legacy_import(trainer, state: dict) -> dict:
         )
         return pipeline.from_model_params(params), opt
 
-    params, opt_state = jax.jit(relayout, out_shardings=(pipeline.shardings(), trainer.opt_state_shardings()))(
+    params, opt_state = jax.jit(relayout, out_shardings=(pipeline.master_shardings(), trainer.opt_state_shardings()))(
         state["params"], state["opt_state"]
     )
     return {"params": params, "opt_state": opt_state}

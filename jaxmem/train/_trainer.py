@@ -148,11 +148,11 @@ class Trainer:
         if model_params is None:
             seed = self.config.seed
             placed = jax.jit(
-                lambda: pipeline.from_model_params(self.model.init(seed)), out_shardings=pipeline.shardings()
+                lambda: pipeline.from_model_params(self.model.init(seed)), out_shardings=pipeline.master_shardings()
             )()
         else:
             host = jax.tree.map(np.asarray, jax.device_get(pipeline.from_model_params(model_params)))
-            placed = global_put(host, pipeline.shardings())
+            placed = global_put(host, pipeline.master_shardings())
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_state_shardings())(to_device(placed))
         return TrainState(params=placed, opt_state=opt_state, step=0, data=self.data_iterator())
 
@@ -178,7 +178,7 @@ class Trainer:
         optimizer = self.optimizer
 
         def step(params, opt_state, batch):
-            loss, grads = grad_fn(params, batch)
+            loss, grads = grad_fn(pipeline.compute_params(params), batch)
             grad_norm = optax.tree.norm(grads)
             # Offloaded weights / optimizer state come to the device for the update and go back to
             # host through the output shardings.
@@ -186,7 +186,7 @@ class Trainer:
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": grad_norm}
 
-        out_shardings = (pipeline.shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
+        out_shardings = (pipeline.master_shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
         return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
     @property
@@ -211,8 +211,11 @@ class Trainer:
         batches = batches or self.config.eval_batches
         data = self.data_iterator(split="eval")
         if self._eval_fn is None:
-            grad_fn = self.pipeline.grad_fn(self.batch_spec())
-            self._eval_fn = jax.jit(lambda p, b: grad_fn(p, b)[0], out_shardings=NamedSharding(self.mesh, P()))
+            pipeline = self.pipeline
+            grad_fn = pipeline.grad_fn(self.batch_spec())
+            self._eval_fn = jax.jit(
+                lambda p, b: grad_fn(pipeline.compute_params(p), b)[0], out_shardings=NamedSharding(self.mesh, P())
+            )
         params = to_device(state.params)
         losses = [
             float(np.asarray(jax.device_get(self._eval_fn(params, self.put_batch(data.batch_at(i * data.batch_size))))))
@@ -236,7 +239,7 @@ class Trainer:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
         abstract = self.pipeline.abstract_params()
-        params = jax.tree.map(spec, abstract, self.pipeline.shardings())
+        params = jax.tree.map(spec, abstract, self.pipeline.master_shardings())
         opt_state = jax.tree.map(spec, jax.eval_shape(self.optimizer.init, abstract), self.opt_state_shardings())
         return self.step_fn.lower(params, opt_state, self.batch_spec()).compile()
 
