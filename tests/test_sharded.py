@@ -164,35 +164,45 @@ def bf16_trainers():
     """llama-tiny in bfloat16 on P=2 x D=4: ZeRO (master weights cut, the default) and no ZeRO."""
     base = dict(model="llama-tiny", dtype="bfloat16", stages=2, data_parallel=4, microbatches=2, batch_size=16)
     base.update(seq_len=32, steps=3, data="synthetic")
-    return Trainer(TrainConfig(**base)), Trainer(TrainConfig(**base, zero=False))
+    fsdp = {**base, "data_parallel": 1, "fsdp": 4}
+    return Trainer(TrainConfig(**base)), Trainer(TrainConfig(**base, zero=False)), Trainer(TrainConfig(**fsdp))
 
 
 def test_master_weights_are_cut_over_data_and_train_exactly_as_whole_ones(bf16_trainers, tmp_path):
     from jaxmem.train import Checkpointer
 
-    cut, whole = bf16_trainers
-    assert cut.pipeline.master_cut and not whole.pipeline.master_cut
+    cut, whole, fsdp = bf16_trainers
+    assert cut.pipeline.master_cut and fsdp.pipeline.master_cut and not whole.pipeline.master_cut
     states = [t.init_state() for t in bf16_trainers]
     # float32 master weights: the stage leaves a quarter on each device (data 4), the shared ones an
     # eighth (data 4 x pipe 2), where the whole run keeps them whole.
     assert {str(x.dtype) for x in jax.tree.leaves(states[0].params)} == {"float32"}
     ratio = _device_bytes(states[1].params.stages) / _device_bytes(states[0].params.stages)
     assert ratio == pytest.approx(4, rel=0.02)
-    losses = [[], []]
+    losses = [[], [], []]
     for i, t in enumerate(bf16_trainers):
         for _ in range(3):
             states[i], metrics, _ = t.step(states[i])
             losses[i].append(float(metrics["loss"]))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-6)  # FSDP gathering the 16-bit copy per action
     # The compiled program holds the cut master weights and the 16-bit copy; the ledger says the same.
-    config = cut.config
-    predicted = predict(
-        cut.model, cut.schedule, None, batch=config.batch_size, seq=config.seq_len, data_parallel=4
-    ).ranks[0]
+    for trainer, state in ((cut, states[0]), (fsdp, states[2])):
+        config = trainer.config
+        predicted = predict(
+            trainer.model,
+            trainer.schedule,
+            None,
+            batch=config.batch_size,
+            seq=config.seq_len,
+            data_parallel=config.data_parallel,
+            fsdp=config.fsdp,
+        ).ranks[0]
+        compiled = trainer.measure_memory(state)
+        for name in ("params", "grads"):
+            got = compiled.ranks[0].categories[name].device
+            assert predicted.categories[name].device == pytest.approx(got, abs=16), (config.fsdp, name)
     compiled = cut.measure_memory(states[0])
-    for name in ("params", "grads"):
-        got = compiled.ranks[0].categories[name].device
-        assert predicted.categories[name].device == pytest.approx(got, abs=16), name
     whole_params = whole.measure_memory(states[1]).ranks[0].categories["params"].device
     assert compiled.ranks[0].categories["params"].device < 0.8 * whole_params  # 1 + 2 of 4 bytes per weight
     # A checkpoint of cut master weights restores onto whole ones (and back), value for value.

@@ -217,6 +217,7 @@ def step_costs(
     data_parallel: int = 1,
     fsdp: int = 1,
     tensor: int = 1,
+    master_cut: bool = False,
 ) -> Costs:
     """Costs for :func:`jaxmem.schedule.simulate`, in seconds on ``hardware``.
 
@@ -234,7 +235,8 @@ def step_costs(
     does it -- before or after the compute that needs it, not overlapped with it: each hop of an
     activation or gradient to the next rank (the simulator's ``comm``); with ``fsdp``, a stage's
     gather of its weights (and of the shared ones the first and last stages read) before each of
-    its actions and the reduce-scatter of their gradient after B and W; with ``vocab``, the four
+    its actions -- the 16-bit compute copy with ``master_cut`` -- and the reduce-scatter of their
+    gradient (in the master weights' dtype) after B and W; with ``vocab``, the four
     sums over the pipe ranks per microbatch (rows, their gradient, the head's input and its
     gradient), spread over the F actions like the head's FLOPs.
 
@@ -280,11 +282,16 @@ def step_costs(
         cut = facts.static_bytes(ranks, 1, tensor=tensor).stage_params[0]
         layer_bytes *= cut / facts.static_bytes(ranks, 1).stage_params[0]
 
+    copy_ratio = 1.0
+    if master_cut:
+        static = facts.static_bytes(ranks, 1, virtual, fsdp=fsdp, tensor=tensor, vocab=vocab)
+        copy_ratio = (static.stage_copy[0] + static.shared_copy) / (static.stage_params[0] + static.shared_params)
+
     def fsdp_seconds(stage: int, kind: str) -> float:
         if fsdp <= 1:
             return 0.0
         whole = layer_counts[stage] * layer_bytes + (shared_bytes if stage in (0, last) else 0.0)
-        seconds = hardware.collective_seconds("all_gather", whole, fsdp, ranks * tensor)
+        seconds = hardware.collective_seconds("all_gather", whole * copy_ratio, fsdp, ranks * tensor)
         if kind in ("B", "W"):
             seconds += hardware.collective_seconds("reduce_scatter", whole, fsdp, ranks * tensor)
         return seconds
@@ -511,6 +518,14 @@ def estimate(
             facts=facts,
         )
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
+    sizes = {"data": data_parallel, "fsdp": fsdp, "tensor": tensor, "zero": zero, "vocab": vocab}
+    cut = master_cut(
+        facts.static_bytes(schedule.num_ranks, max(max(counts), 1), schedule.num_stages // schedule.num_ranks, **sizes),
+        zero=zero,
+        data=data_parallel,
+        fsdp=fsdp,
+        offloads=policy_offloads(resolved, schedule),
+    )
     replicas = data_parallel * fsdp
     mb = batch // (replicas * schedule.num_microbatches)
     active = _active_counts(counts, drop_layers)
@@ -527,6 +542,7 @@ def estimate(
         data_parallel=data_parallel,
         fsdp=fsdp,
         tensor=tensor,
+        master_cut=cut,
     )
     simulation = simulate(schedule, costs)
     transfers = state_transfer_seconds(model, schedule, resolved, counts, hardware, facts=facts)
@@ -535,13 +551,6 @@ def estimate(
         compute = hardware.oversubscribed * shared_core_step_seconds(
             schedule, costs, replicas * tensor, hardware.cores, hardware.flops_per_second, hardware.lockstep
         )
-    sizes = {"data": data_parallel, "fsdp": fsdp, "tensor": tensor, "zero": zero, "vocab": vocab}
-    cut = master_cut(
-        facts.static_bytes(schedule.num_ranks, max(max(counts), 1), schedule.num_stages // schedule.num_ranks, **sizes),
-        zero=zero,
-        data=data_parallel,
-        offloads=policy_offloads(resolved, schedule),
-    )
     sync = gradient_sync_seconds(
         facts,
         schedule,

@@ -56,6 +56,7 @@ class StaticBytes:
         stage_copy / shared_copy: the parameters as the stages read them, placed as the parameters:
             cast to the compute dtype where the model casts them (:mod:`jaxmem.pipeline._compute_copy`).
             With the master weights cut, the step holds this copy beside the cut master weights.
+        gathered_copy: ``gathered`` of the copy (what an action gathers when the master weights are cut).
     """
 
     stage_params: tuple[float, ...]
@@ -65,6 +66,7 @@ class StaticBytes:
     gathered: float
     stage_copy: tuple[float, ...] = ()
     shared_copy: float = 0.0
+    gathered_copy: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +248,12 @@ class ModelFacts:
                 + per_device(shared, placement.shared, "params", unsharded)
                 - shared_params
             )
+            gathered_copy = (
+                per_device(copy_stage, placement.stages[0], "params", unsharded)
+                - per_device(copy_stage, placement.stages[0], "params")
+                + per_device(copy_shared.shared, placement.shared, "params", unsharded)
+                - per_device(copy_shared.shared, placement.shared, "params")
+            )
             self._cache[key] = StaticBytes(
                 stage_params=(stage_params,) * virtual,
                 shared_params=shared_params + per_device(tables, placement.vocab, "params"),
@@ -256,6 +264,7 @@ class ModelFacts:
                 stage_copy=(per_device(copy_stage, placement.stages[0], "params"),) * virtual,
                 shared_copy=per_device(copy_shared.shared, placement.shared, "params")
                 + per_device(copy_shared.vocab, placement.vocab, "params"),
+                gathered_copy=float(gathered_copy),
             )
         return self._cache[key]
 

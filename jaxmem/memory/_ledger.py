@@ -170,7 +170,8 @@ def predict(
         return Bytes(sum(per_stage) - host + shared, host)
 
     params = split(static.stage_params, static.shared_params, weights_host)
-    if master_cut(static, zero=zero, data=data_parallel, offloads=policy_offloads(resolved, schedule)):
+    cut = master_cut(static, zero=zero, data=data_parallel, fsdp=fsdp, offloads=policy_offloads(resolved, schedule))
+    if cut:
         # The master weights cut like one optimizer array, and the copy the stages read.
         params = Bytes(sum(static.stage_state) + static.shared_state + sum(static.stage_copy) + static.shared_copy, 0)
     grads = Bytes(sum(static.stage_params) + static.shared_params, 0)  # the step's accumulators
@@ -219,7 +220,7 @@ def predict(
     transient += item * (1 - 1 / tensor)
     # FSDP: a running stage holds its gathered weights and their whole gradient before the
     # reduce-scatter (and the embedding's / head's when it is the first or last).
-    transient += 2 * static.gathered
+    transient += static.gathered + (static.gathered_copy if cut else static.gathered)
     # The update brings offloaded weights and optimizer state to the device (the train step's to_device)
     # after the backward, when the stash arenas are dead: that copy is the transient peak when it is
     # larger than the stash and the backward's working set together.
@@ -249,13 +250,13 @@ def policy_offloads(resolved, schedule) -> bool:
     return any(resolved.offload_weights(s) or resolved.offload_optimizer_state(s) for s in stages)
 
 
-def master_cut(static, *, zero: bool, data: int, offloads: bool) -> bool:
+def master_cut(static, *, zero: bool, data: int, fsdp: int, offloads: bool) -> bool:
     """Whether a layout's master weights are cut over the replicas (as the Pipeline's ``master_cut``
     decides by default): allowed there, and the model casts some parameter to a narrower dtype."""
     from jaxmem.pipeline import may_cut_master
 
     narrower = sum(static.stage_copy) + static.shared_copy < sum(static.stage_params) + static.shared_params
-    return may_cut_master(zero=zero, data=data, offloads=offloads) and narrower
+    return may_cut_master(zero=zero, data=data, fsdp=fsdp, offloads=offloads) and narrower
 
 
 def uses_vocab_split(model, ranks: int, vocab_parallel: bool | None = None) -> bool:

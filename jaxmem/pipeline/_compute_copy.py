@@ -5,7 +5,8 @@ and casts them to its compute dtype where it uses them. With ZeRO the optimizer 
 cut over the replicas; this module lets the master weights be cut the same way (Megatron's
 distributed optimizer, MaxText's and torchtitan's sharded float32 parameters): at the start of a
 step each device casts its shard to the compute dtype and the replicas all-gather the 16-bit
-values, half the bytes of a float32 gather. Per parameter and device, with D replicas and Adam:
+values, half the bytes of a float32 gather. Under FSDP the copy is cut like the parameters and
+each action gathers 16-bit values. Per parameter and device, with D replicas and Adam:
 ``4/D`` (master) + ``2`` (the copy) + ``4`` (float32 gradient accumulators) + ``8/D`` (moments),
 where whole master weights take ``4 + 4 + 8/D``: the same at D = 2, 1 byte less at D = 4, 1.5 at 8.
 
@@ -48,11 +49,12 @@ _MOVES = frozenset(
 _CASTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def may_cut_master(*, zero: bool, data: int, offloads: bool) -> bool:
+def may_cut_master(*, zero: bool, data: int, fsdp: int, offloads: bool) -> bool:
     """Whether a layout may cut its master weights (and then does, when the model casts some leaf):
-    ZeRO on, several ``data`` replicas (FSDP already cuts its parameters), nothing offloaded to host
-    by the policy (those layouts keep whole weights where the policy puts them)."""
-    return zero and data > 1 and not offloads
+    ZeRO on with several ``data`` replicas, or FSDP (its parameters are cut already: the copy is cut
+    the same way, and each action gathers it in 16 bits), and nothing offloaded to host by the policy
+    (those layouts keep whole weights where the policy puts them)."""
+    return ((zero and data > 1) or fsdp > 1) and not offloads
 
 
 def _inner_jaxprs(eqn):

@@ -197,7 +197,7 @@ class Pipeline:
             the stages on a copy cast to the compute dtype (:mod:`jaxmem.pipeline._compute_copy`;
             :meth:`compute_params` makes it). By default with ``zero``, several ``data`` replicas,
             a model that casts some parameter to a narrower dtype where it uses it, and no weights or
-            optimizer state offloaded by the policy.
+            optimizer state offloaded by the policy; or with FSDP (each action then gathers the copy).
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
     step (see ``examples/train_own_model.py``).
@@ -255,8 +255,8 @@ class Pipeline:
         self._master_cut = master_cut
         if master_cut and not self._may_cut_master():
             raise JaxmemError(
-                "master_cut needs ZeRO (zero=True), more than one data replica and no weights or optimizer "
-                "state offloaded by the policy"
+                "master_cut needs ZeRO (zero=True) over more than one data replica, or FSDP, and no weights or "
+                "optimizer state offloaded by the policy"
             )
         self._programs: dict[tuple, tuple[TickProgram, dict]] = {}
         self._grad_fns: dict[tuple, object] = {}
@@ -321,7 +321,7 @@ class Pipeline:
 
     def _may_cut_master(self) -> bool:
         offloads = any(self.weights_on_host) or any(self.optimizer_state_on_host)
-        return may_cut_master(zero=self.zero, data=self.data, offloads=offloads)
+        return may_cut_master(zero=self.zero, data=self.data, fsdp=self.fsdp, offloads=offloads)
 
     def placed_bytes(self, abstract: PipelineParams, which: str = "params") -> float:
         """Per-device bytes of a tree in this pipeline's layout (e.g. :meth:`compute_abstract`) placed
