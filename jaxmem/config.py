@@ -467,9 +467,10 @@ def add_arguments(p) -> None:
     g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x F x P)")
     g.add_argument(
         "--policy",
-        help="memory policy: a preset name or a TOML file (see `jaxmem memory`); or chronos-recomp, "
-        "chronos-offload, chronos-both: generated for this schedule and mesh under --budget, as jaxmem plan "
-        "generates them",
+        help="memory policy: a preset name or a TOML file (see `jaxmem memory`); a preset ending in "
+        "+keep-gathered (e.g. selective+keep-gathered) keeps FSDP's gathered weights from F to B; or "
+        "chronos-recomp, chronos-offload, chronos-both: generated for this schedule and mesh under --budget, "
+        "as jaxmem plan generates them",
     )
     g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
     g.add_argument(

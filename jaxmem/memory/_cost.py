@@ -236,7 +236,8 @@ def step_costs(
     activation or gradient to the next rank (the simulator's ``comm``); with ``fsdp``, a stage's
     gather of its weights (and of the shared ones the first and last stages read) before each of
     its actions -- the 16-bit compute copy with ``master_cut`` -- and the reduce-scatter of their
-    gradient (in the master weights' dtype) after B and W; with ``vocab``, the four
+    gradient (in the master weights' dtype) after B and W, except for a stage kept gathered
+    (:func:`kept_gather_seconds`); with ``vocab``, the four
     sums over the pipe ranks per microbatch (rows, their gradient, the head's input and its
     gradient), spread over the F actions like the head's FLOPs.
 
@@ -290,7 +291,10 @@ def step_costs(
     def fsdp_seconds(stage: int, kind: str) -> float:
         if fsdp <= 1:
             return 0.0
-        whole = layer_counts[stage] * layer_bytes + (shared_bytes if stage in (0, last) else 0.0)
+        # A stage kept gathered (its policy's keep_gathered) gathers its own weights once per step
+        # (kept_gather_seconds), not per action.
+        own = 0.0 if resolved.keep_gathered(stage) else layer_counts[stage] * layer_bytes
+        whole = own + (shared_bytes if stage in (0, last) else 0.0)
         seconds = hardware.collective_seconds("all_gather", whole * copy_ratio, fsdp, ranks * tensor)
         if kind in ("B", "W"):
             seconds += hardware.collective_seconds("reduce_scatter", whole, fsdp, ranks * tensor)
@@ -428,6 +432,30 @@ def gradient_sync_seconds(
     return seconds
 
 
+def kept_gather_seconds(facts, schedule: Schedule, resolved, layer_counts, hardware, *, fsdp, tensor, master_cut):
+    """Seconds per step of the stages an FSDP policy keeps gathered (``keep_gathered``): each rank
+    gathers those stages' weights once (the 16-bit copy with ``master_cut``) and reduce-scatters their
+    whole gradient once, the slowest rank's sum. Not overlapped with compute."""
+    if fsdp <= 1:
+        return 0.0
+    hardware = get_hardware(hardware)
+    ranks = schedule.num_ranks
+    static = facts.static_bytes(ranks, 1, fsdp=1, tensor=tensor)
+    layer = static.stage_params[0]  # one layer, whole over fsdp, cut over tensor
+    copy = static.stage_copy[0] if master_cut else layer
+
+    def rank_seconds(rank):
+        seconds = 0.0
+        for stage in schedule.stages_of(rank):
+            if resolved.keep_gathered(stage):
+                n = layer_counts[stage]
+                seconds += hardware.collective_seconds("all_gather", n * copy, fsdp, ranks * tensor)
+                seconds += hardware.collective_seconds("reduce_scatter", n * layer, fsdp, ranks * tensor)
+        return seconds
+
+    return max(rank_seconds(r) for r in range(ranks))
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """Everything predicted about one configuration, without compiling.
@@ -562,6 +590,7 @@ def estimate(
         vocab=vocab,
         master_cut=cut,
     )
+    sync += kept_gather_seconds(facts, schedule, resolved, counts, hardware, fsdp=fsdp, tensor=tensor, master_cut=cut)
     step = compute + transfers + sync
     return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step, sync)
 

@@ -57,6 +57,8 @@ class StaticBytes:
             cast to the compute dtype where the model casts them (:mod:`jaxmem.pipeline._compute_copy`).
             With the master weights cut, the step holds this copy beside the cut master weights.
         gathered_copy: ``gathered`` of the copy (what an action gathers when the master weights are cut).
+        stage_gathered / stage_gathered_copy: the part of ``gathered`` / ``gathered_copy`` that is one
+            stage's own weights (what a stage kept gathered for the step holds beyond its shard).
     """
 
     stage_params: tuple[float, ...]
@@ -67,6 +69,8 @@ class StaticBytes:
     stage_copy: tuple[float, ...] = ()
     shared_copy: float = 0.0
     gathered_copy: float = 0.0
+    stage_gathered: float = 0.0
+    stage_gathered_copy: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +269,9 @@ class ModelFacts:
                 shared_copy=per_device(copy_shared.shared, placement.shared, "params")
                 + per_device(copy_shared.vocab, placement.vocab, "params"),
                 gathered_copy=float(gathered_copy),
+                stage_gathered=per_device(stage, placement.stages[0], "params", unsharded) - stage_params,
+                stage_gathered_copy=per_device(copy_stage, placement.stages[0], "params", unsharded)
+                - per_device(copy_stage, placement.stages[0], "params"),
             )
         return self._cache[key]
 
@@ -273,8 +280,7 @@ class ModelFacts:
         over ``ranks`` when ``vocab``) as the stages read them: cast where the model casts them."""
         import jax
 
-        from jaxmem.pipeline import PipelineParams, split_vocab
-        from jaxmem.pipeline._compute_copy import compute_model_abstract, narrow_vocab
+        from jaxmem.pipeline import PipelineParams, compute_model_abstract, narrow_vocab, split_vocab
 
         seq = min(16, self.model.max_seq_len or 16)
         layers, shared = self.model.split(compute_model_abstract(self.model, self.message(1, seq), self.batch(1, seq)))

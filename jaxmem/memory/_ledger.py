@@ -175,6 +175,10 @@ def predict(
         # The master weights cut like one optimizer array, and the copy the stages read.
         params = Bytes(sum(static.stage_state) + static.shared_state + sum(static.stage_copy) + static.shared_copy, 0)
     grads = Bytes(sum(static.stage_params) + static.shared_params, 0)  # the step's accumulators
+    # FSDP stages whose policy keeps them gathered hold their whole weights and gradient all step.
+    kept = sum(resolved.keep_gathered(s) for s in schedule.stages_of(0)) if fsdp > 1 else 0
+    params += Bytes(kept * (static.stage_gathered_copy if cut else static.stage_gathered), 0)
+    grads += Bytes(kept * static.stage_gathered, 0)
     k = optimizer_moments
     optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
 
@@ -220,7 +224,11 @@ def predict(
     transient += item * (1 - 1 / tensor)
     # FSDP: a running stage holds its gathered weights and their whole gradient before the
     # reduce-scatter (and the embedding's / head's when it is the first or last).
-    transient += static.gathered + (static.gathered_copy if cut else static.gathered)
+    weights, whole_grads = (static.gathered_copy if cut else static.gathered), static.gathered
+    if kept == virtual:  # no action gathers its stage; the embedding's and head's leaves still are
+        weights -= static.stage_gathered_copy if cut else static.stage_gathered
+        whole_grads -= static.stage_gathered
+    transient += weights + whole_grads
     # The update brings offloaded weights and optimizer state to the device (the train step's to_device)
     # after the backward, when the stash arenas are dead: that copy is the transient peak when it is
     # larger than the stash and the backward's working set together.
@@ -370,6 +378,9 @@ def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
         # and its gradient accumulators are whole, in the master's dtype.
         param_bytes = Bytes(param_bytes.device + pipeline.placed_bytes(pipeline.compute_abstract()), param_bytes.host)
         grads = Bytes(pipeline.placed_bytes(pipeline.abstract_params()), 0)
+    # Stages kept gathered hold their whole weights (as the stages read them) and gradient all step.
+    param_bytes += Bytes(pipeline.kept_bytes(pipeline.stage_abstract()), 0)
+    grads += Bytes(pipeline.kept_bytes(pipeline.abstract_params()), 0)
     stash_dev, stash_host, live = _arena_bytes(tick)
     total_device = compiled_bytes(compiled)
     host_reported = (

@@ -1,6 +1,8 @@
 """The shard_map executor, the stage split of a model, and the residual analysis of a stage."""
 
+from jaxmem.pipeline._compute_copy import compute_model_abstract as compute_model_abstract
 from jaxmem.pipeline._compute_copy import may_cut_master as may_cut_master
+from jaxmem.pipeline._compute_copy import narrow_vocab as narrow_vocab
 from jaxmem.pipeline._cut import TensorCut as TensorCut
 from jaxmem.pipeline._cut import analyze_cut as analyze_cut
 from jaxmem.pipeline._cut import cut_dims as cut_dims

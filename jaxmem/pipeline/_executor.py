@@ -249,6 +249,10 @@ class Pipeline:
         self.cell_classes = cell_classes(schedule, self.layer_counts, self.policy, self.drop_layers)
         # Weights on host per local position (the policy checked this is consistent across ranks).
         self.weights_on_host = tuple(self.policy.offload_weights(schedule.stages_of(0)[v]) for v in range(self.virtual))
+        # Under FSDP, local stages whose gathered weights stay from the step's first action to its end.
+        self.kept_gathered = tuple(
+            self.policy.keep_gathered(schedule.stages_of(0)[v]) and mesh.shape["fsdp"] > 1 for v in range(self.virtual)
+        )
         self.optimizer_state_on_host = tuple(
             self.policy.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(self.virtual)
         )
@@ -323,6 +327,19 @@ class Pipeline:
         offloads = any(self.weights_on_host) or any(self.optimizer_state_on_host)
         return may_cut_master(zero=self.zero, data=self.data, fsdp=self.fsdp, offloads=offloads)
 
+    def kept_bytes(self, abstract: PipelineParams) -> float:
+        """Per-device bytes a step holds beyond the shards for the stages its policy keeps gathered
+        (``kept_gathered``): their leaves of ``abstract`` whole over ``fsdp``, less the shard."""
+        whole = {**self.sizes, "fsdp": 1}
+        total = 0.0
+        for v, keep in enumerate(self.kept_gathered):
+            if keep:
+                places = jax.tree.leaves(self.placement.stages[v], is_leaf=_is_placement)
+                for a, p in zip(jax.tree.leaves(abstract.stages[v]), places, strict=True):
+                    extra = p.device_elems("params", whole) - p.device_elems("params", self.sizes)
+                    total += extra * jnp.dtype(a.dtype).itemsize
+        return float(total)
+
     def placed_bytes(self, abstract: PipelineParams, which: str = "params") -> float:
         """Per-device bytes of a tree in this pipeline's layout (e.g. :meth:`compute_abstract`) placed
         as the parameters (``which="params"``) or the optimizer state (``"state"``)."""
@@ -353,7 +370,7 @@ class Pipeline:
     def _compute_model(self):
         """:meth:`compute_abstract` in the model's own layout."""
         seq = min(16, self.model.max_seq_len or 16)
-        micro = batch_spec(1, seq)
+        micro = {**batch_spec(1, seq), **({"rng": RNG_SPEC} if self.model.rng else {})}
         shared = self.model.split(self.model.abstract_params())[1]
         with _naming_batch_keys(self.model, micro):
             return compute_model_abstract(self.model, jax.eval_shape(self.model.embed, shared, micro), micro)
@@ -604,7 +621,7 @@ class Pipeline:
                 "use more pipeline stages or microbatches (smaller microbatches), or a recompute policy"
             )
         table = jnp.asarray(tick.table.astype(np.int32))
-        weights_on_host = self.weights_on_host
+        weights_on_host, kept_gathered = self.weights_on_host, self.kept_gathered
         message_spec = self.message_spec(spec)
         # The cotangent of every microbatch's loss_sum: 1 / (the global batch's target count), so that
         # unmasked gradients come out exactly as the mean loss's; masked ones are rescaled at the end.
@@ -667,11 +684,17 @@ class Pipeline:
             x_like = jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), message_spec)
             zero = _vary(jnp.zeros((), jnp.float32))
 
-            def device_params(v):
+            def gathered_params(v):
                 """Local stage ``v``'s parameters on the device, whole (gathered over ``fsdp``)."""
                 params = _to_device(stage_params[v]) if weights_on_host[v] else stage_params[v]
                 leaves, treedef = jax.tree.flatten(params)
                 return treedef.unflatten([gather(a, p, 1) for a, p in zip(leaves, stage_places[v])])
+
+            # A stage whose policy keeps its weights gathered gathers them once, here, before the ticks.
+            kept = [gathered_params(v) if keep else None for v, keep in enumerate(kept_gathered)]
+
+            def device_params(v):
+                return kept[v] if kept_gathered[v] else gathered_params(v)
 
             def whole_like(tree):
                 """Zeros of the whole (unsharded) shapes: for tracing, and for the shared leaves a stage
@@ -744,8 +767,9 @@ class Pipeline:
                 grads = list(grads)
                 leaves, treedef = jax.tree.flatten(d_params)
                 acc = jax.tree.leaves(grads[local])
+                cut = (lambda d, p: d) if kept_gathered[local] else (lambda d, p: scatter(d, p, 1))
                 grads[local] = treedef.unflatten(
-                    [a + _vary(scatter(d.astype(a.dtype), p, 1)) for a, d, p in zip(acc, leaves, stage_places[local])]
+                    [a + _vary(cut(d.astype(a.dtype), p)) for a, d, p in zip(acc, leaves, stage_places[local])]
                 )
                 shared_acc = jax.tree.leaves(shared_grads)
                 shared_grads = shared_treedef.unflatten(
@@ -943,7 +967,10 @@ class Pipeline:
                 message_buffer(tick.act_slots),
                 message_buffer(tick.grad_slots),
                 tuple(arena_buffer(k, n, c) for k, n, c in zip(keys, tick.arena_elems, cuts)),
-                tuple(accumulators(t, m) for t, m in zip(stage_params, master.stages)),
+                tuple(
+                    accumulators(k if keep else t, m)
+                    for t, k, keep, m in zip(stage_params, kept, kept_gathered, master.stages)
+                ),
                 accumulators(shared, master.shared),
                 accumulators(vocab, master.vocab),
                 (zero, zero),
@@ -954,8 +981,11 @@ class Pipeline:
             weight = jax.lax.psum(weight, AXES)
             scale = tokens_global / weight  # exactly 1 without a loss mask
 
-            def finish(g, p: LeafPlacement):
-                """Sum a gradient over the leaf's replicas, reduce-scattering where its state is cut."""
+            def finish(g, p: LeafPlacement, whole: bool = False):
+                """Sum a gradient over the leaf's replicas, reduce-scattering where its state is cut
+                (``whole``: accumulated whole over ``fsdp``, cut back to this device's shard first)."""
+                if whole and p.fsdp_dim is not None:
+                    g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=p.fsdp_dim, tiled=True)
                 for axis, dim in p.scatters():
                     g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
                 if p.sums():
@@ -964,9 +994,9 @@ class Pipeline:
 
             grads = tuple(
                 jax.tree.unflatten(
-                    jax.tree.structure(t), [finish(g[None], p) for g, p in zip(jax.tree.leaves(t), places)]
+                    jax.tree.structure(t), [finish(g[None], p, keep) for g, p in zip(jax.tree.leaves(t), places)]
                 )
-                for t, places in zip(grads, stage_places)
+                for t, places, keep in zip(grads, stage_places, kept_gathered)
             )
             shared_grads = shared_treedef.unflatten(
                 [finish(g, p) for g, p in zip(jax.tree.leaves(shared_grads), shared_places)]

@@ -6,6 +6,7 @@ from jaxmem.policy._chronos import Move as Move
 from jaxmem.policy._chronos import chronos_policy as chronos_policy
 from jaxmem.policy._chronos import reuse_distances as reuse_distances
 from jaxmem.policy._policy import BASES as BASES
+from jaxmem.policy._policy import KEEP_GATHERED as KEEP_GATHERED
 from jaxmem.policy._policy import PRESET_HELP as PRESET_HELP
 from jaxmem.policy._policy import PRESETS as PRESETS
 from jaxmem.policy._policy import BoundStagePolicy as BoundStagePolicy

@@ -26,6 +26,7 @@ __all__ = [
     "BASES",
     "BoundStagePolicy",
     "Decision",
+    "KEEP_GATHERED",
     "Policy",
     "PolicyError",
     "PRESETS",
@@ -126,6 +127,9 @@ class StagePolicy:
         offload_stash: keep this stage's whole stash (everything saved between F and B) on host.
         offload_weights: keep the stage's weights on host between steps, fetched when used.
         offload_optimizer_state: keep the stage's optimizer state on host between steps.
+        keep_gathered: under FSDP, gather the stage's weights once per step and keep them (and their
+            gradient, whole) until the step's end, instead of gathering for every action and
+            reduce-scattering after every backward: less traffic, more memory.
 
     Bound to a model's :class:`TagSet` (:meth:`bind`) it becomes a :class:`BoundStagePolicy`, the
     concrete sets of tags saved, offloaded and recomputed.
@@ -139,6 +143,7 @@ class StagePolicy:
     offload_stash: bool = False
     offload_weights: bool = False
     offload_optimizer_state: bool = False
+    keep_gathered: bool = False
 
     def __post_init__(self):
         if self.base not in BASES:
@@ -171,6 +176,7 @@ class StagePolicy:
             offload_stash=self.offload_stash,
             offload_weights=self.offload_weights,
             offload_optimizer_state=self.offload_optimizer_state,
+            keep_gathered=self.keep_gathered,
         )
 
     def describe(self) -> str:
@@ -189,6 +195,7 @@ def _extras(sp) -> str:
             ("stash->host", sp.offload_stash),
             ("weights->host", sp.offload_weights),
             ("opt-state->host", sp.offload_optimizer_state),
+            ("weights gathered F->B", sp.keep_gathered),
         )
         if on
     ]
@@ -205,7 +212,7 @@ class BoundStagePolicy:
         recompute: the model's other tags, recomputed in the backward from the saved values (as is
             every untagged intermediate); the stage input is always kept.
         order: the model's tags in forward order (for display).
-        offload_stash, offload_weights, offload_optimizer_state: as in :class:`StagePolicy`.
+        offload_stash, offload_weights, offload_optimizer_state, keep_gathered: as in :class:`StagePolicy`.
     """
 
     save: frozenset[str]
@@ -215,6 +222,7 @@ class BoundStagePolicy:
     offload_stash: bool = False
     offload_weights: bool = False
     offload_optimizer_state: bool = False
+    keep_gathered: bool = False
 
     def decision(self, tag: str) -> Decision:
         if tag in self.save:
@@ -269,6 +277,7 @@ PRESETS: dict[str, StagePolicy] = {
     "offload-optimizer-state": StagePolicy(offload_optimizer_state=True),
     "offload-tags": StagePolicy(base="offload-all"),
 }
+KEEP_GATHERED = "+keep-gathered"  # a preset name with this suffix keeps FSDP's gathered weights F->B
 PRESET_HELP = {
     "save-all": "keep every declared activation tag on device (no recompute)",
     "recompute-all": "keep only each stage's input; recompute the whole stage in the backward",
@@ -433,10 +442,13 @@ class ResolvedPolicy:
     def offload_optimizer_state(self, stage: int) -> bool:
         return self._stage_flag(stage, "offload_optimizer_state")
 
+    def keep_gathered(self, stage: int) -> bool:
+        return self._stage_flag(stage, "keep_gathered")
+
     def _check_state_offload(self, schedule) -> None:
         # One SPMD program: the stages at the same local position on every rank share one array, so
-        # their weights (and optimizer state) are on host together or not at all.
-        for flag in ("offload_weights", "offload_optimizer_state"):
+        # their weights (and optimizer state) are on host together or not at all, and kept gathered so.
+        for flag in ("offload_weights", "offload_optimizer_state", "keep_gathered"):
             by_local: dict[int, dict[int, bool]] = {}
             for rank in range(schedule.num_ranks):
                 for v, stage in enumerate(schedule.stages_of(rank)):
@@ -462,14 +474,20 @@ class ResolvedPolicy:
 
 
 # --------------------------------------------------------------------------- specs
-FLAGS = ("offload_stash", "offload_weights", "offload_optimizer_state")
+FLAGS = ("offload_stash", "offload_weights", "offload_optimizer_state", "keep_gathered")
 STAGE_KEYS = ("base", "tags", *FLAGS)
 
 
 def _preset(name: str, where: str) -> StagePolicy:
+    """A preset by name; ``<preset>+keep-gathered`` is that preset with ``keep_gathered`` set."""
     key = str(name).strip().lower()
+    if key.endswith(KEEP_GATHERED):
+        return dataclasses.replace(_preset(key.removesuffix(KEEP_GATHERED), where), keep_gathered=True)
     if key not in PRESETS:
-        raise PolicyError(f"{where}: unknown policy preset {name!r}; presets: {', '.join(PRESETS)}")
+        raise PolicyError(
+            f"{where}: unknown policy preset {name!r}; presets: {', '.join(PRESETS)} (each may end in "
+            f"{KEEP_GATHERED!r}: FSDP keeps a stage's gathered weights from its first F to the step's end)"
+        )
     return PRESETS[key]
 
 

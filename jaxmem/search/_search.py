@@ -440,6 +440,8 @@ def search(
 
     model = get_model(model)
     hw = get_hardware(hardware)
+    from jaxmem.policy import KEEP_GATHERED, PRESETS
+
     pairs = candidate_schedules(
         model, devices, batch, schedules, pipes, microbatches, fsdp=fsdp, tensors=tensors, mesh=mesh
     )
@@ -457,7 +459,10 @@ def search(
         if progress:
             progress(i, len(pairs), schedule)
         seen = {}
-        for name in policies:
+        names = list(policies)
+        if fsdp_size > 1:  # FSDP: each preset also with its stages' weights kept gathered F->B
+            names += [f"{n}{KEEP_GATHERED}" for n in policies if n in PRESETS]
+        for name in names:
             cand = evaluate(
                 model,
                 schedule,
