@@ -445,3 +445,38 @@ def test_fused_attention_keeps_no_probabilities_and_its_gradients_are_plain(mode
     predicted = predict(trainer.model, trainer.schedule, policy, batch=32, seq=64)
     report = compare(predicted, trainer.measure_memory())
     assert all(abs(r["prediction_error"]) <= 0.10 for r in report["ranks"]), report["ranks"]
+
+
+# ---------------------------------------------------------------- messages of any kind
+class _CountingBlock(nnx.Module):
+    """Passes a layer counter beside the hidden state; the counter scales the residual branch."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h, count = x
+        return h + jnp.tanh(checkpoint_name(self.lin(h), "hidden")) * (1.0 + 0.1 * count[0]), count + 1.0
+
+
+class _CountingLM(nnx.Module):
+    def __init__(self, rngs):
+        self.tok = nnx.Embed(32, 16, rngs=rngs)
+        self.blocks = nnx.List([_CountingBlock(rngs) for _ in range(4)])
+        self.out = nnx.Linear(16, 32, rngs=rngs)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_a_message_leaf_that_depends_on_nothing_pipelines(name):
+    """The embedding starts a counter from a constant: that leaf of the message varies over no mesh
+    axis where the others vary over all; its backward used to fail on the cotangent's type."""
+    model = from_nnx(
+        _CountingLM,
+        layers="blocks",
+        embed=lambda m, b: (m.tok(b["tokens"]), jnp.zeros((2,))),
+        head_loss=lambda m, x, b: token_loss(m.out(x[0]), b),
+        tags=("hidden",),
+        vocab_size=32,
+    )
+    result = verify(generate(name, 2, 4), model=model, policy="selective")
+    assert result["ok"] and result["max_rel_diff"] < 1e-5, result

@@ -517,10 +517,8 @@ class Pipeline:
         """What one stage sends the next for a batch: the model's embedding output, abstract."""
         micro = self.microbatch_spec(batch)
         with _naming_batch_keys(self.model, micro):
-            shared = self.model.split(self.model.abstract_params())[1]
-            if self.master_cut:
-                shared = self.model.split(self._compute_model())[1]
-            return jax.eval_shape(self.model.embed, shared, micro)
+            params = self._compute_model() if self.master_cut else self.model.abstract_params()
+            return jax.eval_shape(self.model.embed, self.model.split(params)[1], micro)
 
     def _check_tags(self, abstract: PipelineParams, message, micro) -> None:
         """Every tag the model's stage functions emit must be declared (a policy would silently
@@ -822,7 +820,16 @@ class Pipeline:
                             _vary_like(jnp.zeros(weight_aval.shape, weight_aval.dtype), weight_aval),
                         )
                     else:
-                        ct = g_in
+                        # A leaf the stage sends on that depends on nothing varying (a constant, say a
+                        # counter it starts) has no gradient to carry back: its cotangent is a zero typed
+                        # like it (the one sent back varies like every message).
+                        leaves, treedef = jax.tree.flatten(g_in)
+                        ct = treedef.unflatten(
+                            [
+                                g if set(AXES) <= set(varying_axes(a)) else _vary_like(jnp.zeros(a.shape, a.dtype), a)
+                                for g, a in zip(leaves, plan.out_avals, strict=True)
+                            ]
+                        )
                     d_params, d_shared, d_x = pullback(ct)
                     # The first stage's input gradient goes to a split vocabulary's table (after the switch).
                     no_input_grad = (c.first and vocab_split is None) or kind is Kind.W
