@@ -85,18 +85,23 @@ def test_sharded_training_matches_replicated_and_holds_a_quarter(trainers):
     assert losses[0][-1] < losses[0][0]
 
 
-def test_the_ledger_predicts_sharded_layouts(trainers):
-    _, sharded = trainers
-    config = sharded.config
-    predicted = predict(
-        sharded.model,
-        sharded.schedule,
-        None,
+def _predicted(trainer):
+    """The predicted ledger of a trainer's run (its model, schedule, policy and mesh)."""
+    config = trainer.config
+    return predict(
+        trainer.model,
+        trainer.schedule,
+        config.policy,
         batch=config.batch_size,
         seq=config.seq_len,
         data_parallel=config.data_parallel,
         fsdp=config.fsdp,
     )
+
+
+def test_the_ledger_predicts_sharded_layouts(trainers):
+    _, sharded = trainers
+    predicted = _predicted(sharded)
     report = compare(predicted, sharded.measure_memory())
     assert report["max_prediction_error"] <= 0.10, report
     row = report["ranks"][0]["categories"]
@@ -188,20 +193,11 @@ def test_master_weights_are_cut_over_data_and_train_exactly_as_whole_ones(bf16_t
     np.testing.assert_allclose(losses[2], losses[1], rtol=1e-6)  # FSDP gathering the 16-bit copy per action
     # The compiled program holds the cut master weights and the 16-bit copy; the ledger says the same.
     for trainer, state in ((cut, states[0]), (fsdp, states[2])):
-        config = trainer.config
-        predicted = predict(
-            trainer.model,
-            trainer.schedule,
-            None,
-            batch=config.batch_size,
-            seq=config.seq_len,
-            data_parallel=config.data_parallel,
-            fsdp=config.fsdp,
-        ).ranks[0]
+        predicted = _predicted(trainer).ranks[0]
         compiled = trainer.measure_memory(state)
         for name in ("params", "grads"):
             got = compiled.ranks[0].categories[name].device
-            assert predicted.categories[name].device == pytest.approx(got, abs=16), (config.fsdp, name)
+            assert predicted.categories[name].device == pytest.approx(got, abs=16), (trainer.config.fsdp, name)
     compiled = cut.measure_memory(states[0])
     whole_params = whole.measure_memory(states[1]).ranks[0].categories["params"].device
     assert compiled.ranks[0].categories["params"].device < 0.8 * whole_params  # 1 + 2 of 4 bytes per weight
@@ -279,7 +275,7 @@ def test_fsdp_keeping_gathered_weights_is_a_policy_the_ledger_prices():
         state, metrics, _ = t.step(state)
         losses.append(float(metrics["loss"]))
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
-    predicted = predict(trainers[1].model, trainers[1].schedule, trainers[1].config.policy, batch=16, seq=32, fsdp=4)
+    predicted = _predicted(trainers[1])
     for name in ("params", "grads"):  # the whole stage and its gradient beside the shards
         got = compiled[1].ranks[0].categories[name].device
         assert predicted.ranks[0].categories[name].device == pytest.approx(got, abs=16), name

@@ -242,36 +242,28 @@ class ModelFacts:
 
             copy_layer, copy_shared = self._compute_copy(vocab, ranks)
             copy_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, layers, *a.shape), a.dtype), copy_layer)
-            stage_params = per_device(stage, placement.stages[0], "params")
-            shared_params = per_device(shared, placement.shared, "params")
-            # What a running stage holds once gathered over fsdp (still cut over tensor).
+            # What a running stage holds once gathered over fsdp (still cut over tensor), beyond its shard.
             unsharded = {**sizes, "fsdp": 1}
-            gathered = (
-                per_device(stage, placement.stages[0], "params", unsharded)
-                - stage_params
-                + per_device(shared, placement.shared, "params", unsharded)
-                - shared_params
-            )
-            gathered_copy = (
-                per_device(copy_stage, placement.stages[0], "params", unsharded)
-                - per_device(copy_stage, placement.stages[0], "params")
-                + per_device(copy_shared.shared, placement.shared, "params", unsharded)
-                - per_device(copy_shared.shared, placement.shared, "params")
-            )
+
+            def beyond(tree, places):
+                return per_device(tree, places, "params", unsharded) - per_device(tree, places, "params")
+
+            stage_gathered = beyond(stage, placement.stages[0])
+            stage_gathered_copy = beyond(copy_stage, placement.stages[0])
             self._cache[key] = StaticBytes(
-                stage_params=(stage_params,) * virtual,
-                shared_params=shared_params + per_device(tables, placement.vocab, "params"),
+                stage_params=(per_device(stage, placement.stages[0], "params"),) * virtual,
+                shared_params=per_device(shared, placement.shared, "params")
+                + per_device(tables, placement.vocab, "params"),
                 stage_state=(per_device(stage, placement.stages[0], "state"),) * virtual,
                 shared_state=per_device(shared, placement.shared, "state")
                 + per_device(tables, placement.vocab, "state"),
-                gathered=float(gathered),
+                gathered=stage_gathered + beyond(shared, placement.shared),
                 stage_copy=(per_device(copy_stage, placement.stages[0], "params"),) * virtual,
                 shared_copy=per_device(copy_shared.shared, placement.shared, "params")
                 + per_device(copy_shared.vocab, placement.vocab, "params"),
-                gathered_copy=float(gathered_copy),
-                stage_gathered=per_device(stage, placement.stages[0], "params", unsharded) - stage_params,
-                stage_gathered_copy=per_device(copy_stage, placement.stages[0], "params", unsharded)
-                - per_device(copy_stage, placement.stages[0], "params"),
+                gathered_copy=stage_gathered_copy + beyond(copy_shared.shared, placement.shared),
+                stage_gathered=stage_gathered,
+                stage_gathered_copy=stage_gathered_copy,
             )
         return self._cache[key]
 
