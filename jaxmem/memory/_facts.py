@@ -10,7 +10,9 @@ For a stage (its role, its number of layers, a bound memory policy) and a sequen
 - the stage's full activation volume (its save-all stash);
 - the backward's working set: the temporaries ``memory_analysis()`` reports for the stage's pullback
   compiled alone, on the backend at hand (the one compile here, cached per stage role, policy and
-  sequence length, and shared by built-in models that differ only in depth).
+  sequence length, and shared by built-in models that differ only in depth). With a ``tensor`` axis
+  the same program is compiled on a mesh of that many local devices with the parameters cut as the
+  model's annotations say, when the process has them (:meth:`ModelFacts.tensor_working`).
 
 Tracing is abstract and done at one sequence per microbatch (the working set is compiled at
 ``WORKSET_MICROBATCH``): residuals, FLOPs and the working set grow linearly with the microbatch
@@ -453,29 +455,87 @@ class ModelFacts:
             self._working(first, last, layers, policy, seq, vocab),
         )
 
-    def _working(self, first, last, layers, policy, seq, vocab=False) -> float:
-        """Per sequence: the temporaries of the stage's pullback compiled alone, at
+    def _working(self, first, last, layers, policy, seq, vocab=False, tensor=1) -> float | None:
+        """Per sequence (and device): the temporaries of the stage's pullback compiled alone, at
         ``WORKSET_MICROBATCH`` sequences (a microbatch of one lays some buffers out apart); more
-        than two layers are extrapolated from one and two, as the other facts are."""
+        than two layers are extrapolated from one and two, as the other facts are. With ``tensor``
+        > 1, compiled on a ``tensor`` mesh of local devices (None when there are too few)."""
         if layers > 2:
-            one = self._working(first, last, 1, policy, seq, vocab)
-            two = self._working(first, last, 2, policy, seq, vocab)
-            return max(two + (layers - 2) * (two - one), two)
-        key = ("working", first, last, layers, policy, seq, vocab)
+            one = self._working(first, last, 1, policy, seq, vocab, tensor)
+            two = self._working(first, last, 2, policy, seq, vocab, tensor)
+            return None if one is None else max(two + (layers - 2) * (two - one), two)
+        key = ("working", first, last, layers, policy, seq, vocab, tensor)
         cache = self._cache if self._depthless is None else _WORKING.setdefault(self._depthless, {})
         if key not in cache:
             import jax
 
             from jaxmem.pipeline import analyze_stage, stage_forward
 
+            mesh = None
+            if tensor > 1:
+                devices = jax.local_devices()
+                if len(devices) < tensor:
+                    return None
+                mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
             mb = WORKSET_MICROBATCH
             fn = policy.wrap(stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab))
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
             x, batch, shared = self.message(mb, seq), self.batch(mb, seq), self._stage_shared(vocab)
             plan = analyze_stage(fn, stage, shared, x, batch, stash_to_host=policy.offload_stash)
-            compiled = _lower_pullback(plan, stage, shared, x, batch).compile()
+            if mesh is not None:
+                stage, shared = self._tensor_placed(stage, shared, mesh, vocab)
+            compiled = _lower_pullback(plan, stage, shared, x, batch, mesh=mesh).compile()
             cache[key] = float(compiled.memory_analysis().temp_size_in_bytes) / mb
         return cache[key]
+
+    def tensor_working(self, *, first, last, layers, policy, microbatch, seq, vocab=False, tensor=1) -> float | None:
+        """Per device, the working set of :class:`StageFacts` for one stage-microbatch with the
+        parameters cut over ``tensor`` devices as the model's annotations say: the pullback compiled
+        on a mesh of local devices and left to XLA's partitioner, as the executor leaves it. None when
+        the model annotates nothing or the process has fewer than ``tensor`` devices (the ledger then
+        models the cut)."""
+        if tensor <= 1 or self.model.axes is None or self._cpu_emulates_16_bits(seq):
+            return None
+        policy = dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False)
+        per = self._working(first, last, layers, policy, seq, bool(vocab) and (first or last), tensor)
+        return None if per is None else per * microbatch
+
+    def _cpu_emulates_16_bits(self, seq: int) -> bool:
+        """XLA:CPU computes 16-bit floats by converting around each op, and under its partitioner
+        those converted copies are laid out apart: a 16-bit model's tensor working set compiled on
+        CPU says little of an accelerator's (llama-8b bf16, a stage of 4 layers at 2 x 4096: 24.2
+        GiB on a 2-device mesh against 17.2 modelled, where f32 agrees within 1%), so it is
+        modelled there."""
+        import jax
+        import jax.numpy as jnp
+
+        if jax.default_backend() != "cpu":
+            return False
+        floats = [a for a in jax.tree.leaves(self.message(1, seq)) if jnp.issubdtype(a.dtype, jnp.floating)]
+        return any(np.dtype(a.dtype).itemsize < 4 for a in floats)
+
+    def _tensor_placed(self, stage, shared, mesh, vocab):
+        """The stage's and shared parameters as shaped values sharded over ``mesh``'s tensor axis where
+        the model's annotations cut them (whole where the cut would split a unit, as the placement)."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxmem.pipeline import layout_axes
+
+        tensor = mesh.shape["tensor"]
+        axes = layout_axes(self.model, 1, vocab)
+
+        def placed(a, ax, lead):
+            d = ax.dim("tensor")
+            spec = [None] * len(a.shape)
+            if d is not None and a.shape[d + lead] % (tensor * ax.unit) == 0:
+                spec[d + lead] = "tensor"
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+        # layout_axes numbers a stage leaf's dimensions after the rank and layer ones; here it has layers only.
+        stage = jax.tree.map(lambda a, ax: placed(a, ax, -1), stage, axes.stages[0])
+        shared = jax.tree.map(lambda a, ax: placed(a, ax, 0), shared, axes.shared)
+        return stage, shared
 
     def _flops(self, plan, stage, x, seq, vocab=False) -> tuple[float, float]:
         """``cost_analysis()`` FLOPs of the lowered forward and pullback of a traced stage."""
@@ -489,19 +549,27 @@ class ModelFacts:
         return forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
 
 
-def _lower_pullback(plan, stage, shared, x, batch):
+def _lower_pullback(plan, stage, shared, x, batch, *, mesh=None):
     """The stage's pullback, lowered abstractly: from its parameters, the batch, a stash slot and the
-    output's cotangent to the gradients (what the executor's backward branch runs)."""
+    output's cotangent to the gradients (what the executor's backward branch runs); ``mesh``: the
+    inputs not placed already are replicated over it."""
     import jax
     import jax.numpy as jnp
 
-    packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items()}
-    ct = jax.tree_util.tree_unflatten(plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals])
+    def placed(a):
+        if mesh is None or getattr(a, "sharding", None) is not None:
+            return a
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole)
+
+    packed = {k: placed(jax.ShapeDtypeStruct((n,), jnp.dtype(k[0]))) for k, n in plan.stash_elems.items()}
+    cts = [placed(jax.ShapeDtypeStruct(a.shape, a.dtype)) for a in plan.out_avals]
+    ct = jax.tree_util.tree_unflatten(plan.out_tree, cts)
 
     def backward_fn(stage, shared, batch, packed, ct):
         return plan.pullback(stage, shared, x, batch, packed)(ct)
 
-    return jax.jit(backward_fn).lower(stage, shared, batch, packed, ct)
+    return jax.jit(backward_fn).lower(stage, jax.tree.map(placed, shared), jax.tree.map(placed, batch), packed, ct)
 
 
 def _cost_flops(lowered) -> float:

@@ -125,8 +125,10 @@ def predict(
         tensor: devices cutting the dimensions the model's annotations name. The parameters, their
             gradients and optimizer state are counted as cut; the stash arenas take 1/tensor of
             their bytes (the executor keeps a cut residual's shares and a share of the rest); the
-            working set's cut part (:meth:`~jaxmem.memory.ModelFacts.tensor_cut`) shrinks by
-            1/tensor, and a backward gathers its item's whole part.
+            backward's working set is compiled on a tensor mesh of local devices
+            (:meth:`~jaxmem.memory.ModelFacts.tensor_working`), or where there are too few its cut
+            part (:meth:`~jaxmem.memory.ModelFacts.tensor_cut`) shrinks by 1/tensor; a backward
+            gathers its item's whole part.
         zero: the optimizer state is sharded over the replicas (ZeRO).
         vocab_parallel: the vocabulary tables are split over the pipe ranks (default: as the
             :class:`~jaxmem.pipeline.Pipeline` does, when the model says where they are and P > 1).
@@ -186,21 +188,19 @@ def predict(
     class_sizes, working, item = {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]
-        stage = facts.stage(
-            first=c.first,
-            last=c.last,
-            layers=c.layers - len(c.skip),
-            policy=variant,
-            microbatch=mb,
-            seq=seq,
-            vocab=vocab,
-        )
+        shape = dict(first=c.first, last=c.last, layers=c.layers - len(c.skip), policy=variant, seq=seq, vocab=vocab)
+        stage = facts.stage(**shape, microbatch=mb)
         class_sizes[c] = stash_rows(stage.stash_elems, tensor)
-        # With a tensor axis, the cut part of the activations (stashed as shares, or recomputed
-        # cut) takes 1/tensor of its bytes on each device, and so does that part of the working
-        # set; a backward gathers its item's whole part.
+        # The backward's working set, read from the program: the temporaries of the stage's
+        # pullback compiled alone (the largest over the classes). With a tensor axis it is compiled
+        # on a tensor mesh where this process has the devices; elsewhere the cut part of the
+        # activations (recomputed cut) is modelled as taking 1/tensor of its bytes on each device.
+        # A backward gathers its item's whole part.
         part = facts.tensor_cut(variant, seq, tensor)
-        working = max(working, stage.working_bytes * (1 - part.full * (1 - 1 / tensor)))
+        on_mesh = facts.tensor_working(**shape, microbatch=mb, tensor=tensor)
+        if on_mesh is None:
+            on_mesh = stage.working_bytes * (1 - part.full * (1 - 1 / tensor))
+        working = max(working, on_mesh)
         item = max(item, stage.stash_bytes("device") * (1 - part.stash))
     # The layout's cache key, compact: the distinct classes with their sizes, and each cell's class index.
     classes = tuple(class_sizes)
@@ -212,9 +212,8 @@ def predict(
     )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = 2 * (batch // replicas) * seq * 4
-    # The backward's working set is read from the program: the temporaries of the stage's pullback
-    # compiled alone (StageFacts.working_bytes), the largest over the classes. Beside it, the step's
-    # gradient accumulators leave the executor's switch updated while the old ones are still live.
+    # Beside it, the step's gradient accumulators leave the executor's switch updated while the old
+    # ones are still live.
     working += grads.device
     if vocab:
         # Every rank's slice of the head's logits and their gradient, in the same tick as its stage action.
