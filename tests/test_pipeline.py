@@ -107,6 +107,55 @@ def test_training_lowers_the_loss(small_trainer):
     assert np.mean(losses[-3:]) < losses[0] - 0.3
 
 
+FORWARD_CASES = [
+    # (model, schedule, P, V, mesh): the vocabulary split over pipe, a V-shape, tensor and fsdp
+    ("tiny", "1f1b", 4, None, {}),
+    ("llama-tiny", "zbv", 2, None, {"fsdp": 2}),
+    ("tiny", "interleaved-1f1b", 2, 2, {"data_parallel": 2}),
+    ("llama-tiny", "chronos", 2, None, {"tensor": 2}),
+]
+
+
+@pytest.mark.parametrize("model,name,p,v,mesh", FORWARD_CASES, ids=[f"{c[0]}-{c[1]}" for c in FORWARD_CASES])
+def test_the_forward_only_program_gives_the_loss_and_stashes_nothing(model, name, p, v, mesh):
+    """Evaluation runs the schedule's forwards alone: the loss of the loss-and-gradient program, from a
+    tick program with no stash arena, no gradient slot and no backward branch."""
+    from jaxmem.schedule import Kind
+
+    config = TrainConfig(
+        model=model, schedule=name, stages=p, virtual=v, microbatches=4, batch_size=16, seq_len=32, steps=1, **mesh
+    )
+    trainer = Trainer(config)
+    pipeline, spec = trainer.pipeline, trainer.batch_spec()
+    params = pipeline.compute_params(trainer.init_state().params)
+    batch = trainer.put_batch(trainer.data_iterator().batch_at(0))
+    loss = jax.jit(pipeline.loss_fn(spec))(params, batch)
+    expected, _ = jax.jit(pipeline.grad_fn(spec))(params, batch)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    tick, _ = pipeline.program(spec, forward=True)
+    assert tick.stash_keys == () and tick.arena_elems == () and tick.grad_slots == 0
+    assert {kind for _, kind in tick.branches} == {Kind.F}
+    train_tick, _ = pipeline.program(spec)
+    assert tick.num_ticks < train_tick.num_ticks
+
+
+def test_forward_only_schedules_are_tables_of_forwards():
+    from jaxmem.schedule import Kind, forward_only, validate
+
+    for name, v, ticks in (("1f1b", None, 8 + 4 - 1), ("interleaved-1f1b", 2, 2 * 8 + 4 - 1), ("zbv", None, None)):
+        train = generate(name, 4, 8, v)
+        forward = validate(forward_only(train))
+        assert forward.forward_only and not train.forward_only
+        assert forward.stage_to_rank == train.stage_to_rank
+        assert sorted(map(str, forward.actions())) == sorted(str(a) for a in train.actions() if a.kind is Kind.F)
+        if ticks is not None:
+            assert forward.num_steps == ticks
+    # A table of forwards gives no gradients: training on one is refused, saying what to use.
+    pipeline = Pipeline(get_model("tiny"), forward_only(generate("1f1b", 2, 2)), make_mesh(pipe=2))
+    with pytest.raises(JaxmemError, match="runs forwards only.*loss_fn"):
+        pipeline.grad_fn(4, 16)
+
+
 # ---------------------------------------------------------------- errors before compiling
 def test_stages_that_do_not_divide_the_layers():
     with pytest.raises(JaxmemError, match=r"8 layers do not split evenly over 3 stages; .*1, 2, 4, 8"):

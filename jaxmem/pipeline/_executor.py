@@ -53,7 +53,7 @@ from jaxmem.pipeline._ticks import (
     stash_rows,
 )
 from jaxmem.policy import ResolvedPolicy, resolve
-from jaxmem.schedule import Kind, Schedule, validate
+from jaxmem.schedule import Kind, Schedule, forward_only, validate
 
 __all__ = ["Pipeline", "batch_spec", "make_mesh", "varying_axes"]
 
@@ -567,18 +567,21 @@ class Pipeline:
             plans[c] = plan
         return plans
 
-    def program(self, batch, seq: int | None = None) -> tuple[TickProgram, dict[StageClass, ResidualPlan]]:
+    def program(
+        self, batch, seq: int | None = None, *, forward: bool = False
+    ) -> tuple[TickProgram, dict[StageClass, ResidualPlan]]:
         """The tick program and per-class residual plans for a batch (dict or spec, or a batch size
-        with ``seq``), cached per batch structure."""
+        with ``seq``), cached per batch structure; ``forward``: of the schedule's forwards alone
+        (:func:`~jaxmem.schedule.forward_only`), which stash nothing."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
-        key = _key(spec)
+        key = (_key(spec), forward)
         if key not in self._programs:
             plans = self.residual_plans(spec)
             tick = build_tick_program(
-                self.schedule,
+                forward_only(self.schedule) if forward else self.schedule,
                 self.cell_classes,
-                {c: stash_rows(p.stash_elems, self.tensor) for c, p in plans.items()},
-                head_grads=self.vocab is not None,
+                {c: {} if forward else stash_rows(p.stash_elems, self.tensor) for c, p in plans.items()},
+                head_grads=self.vocab is not None and not forward,
             )
             self._programs[key] = (tick, plans)
         return self._programs[key]
@@ -596,6 +599,17 @@ class Pipeline:
             self._grad_fns[key] = self._build_grad_fn(spec)
         return self._grad_fns[key]
 
+    def loss_fn(self, batch, seq: int | None = None):
+        """``fn(params, batch, rng=None) -> loss`` (the mean loss over the batch's counted tokens, as
+        :meth:`grad_fn`'s) from the schedule's forwards alone (:func:`~jaxmem.schedule.forward_only`):
+        no backward, nothing stashed, no gradient accumulators -- what an evaluation runs. Arguments as
+        :meth:`grad_fn`'s; not jitted."""
+        spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
+        key = (_key(spec), "forward")
+        if key not in self._grad_fns:
+            self._grad_fns[key] = self._build_grad_fn(spec, forward=True)
+        return self._grad_fns[key]
+
     def value_and_grad(self, params: PipelineParams, batch: dict, rng=None):
         """Loss and gradients of the mean loss over the batch's counted tokens, jitted (one compile
         per batch structure); ``rng`` as in :meth:`grad_fn`."""
@@ -605,8 +619,15 @@ class Pipeline:
             self._jitted[key] = jax.jit(self.grad_fn(batch))
         return self._jitted[key](params, batch, rng)
 
-    def _build_grad_fn(self, spec: dict):
-        tick, _ = self.program(spec)
+    def _build_grad_fn(self, spec: dict, forward: bool = False):
+        """The pipelined loss and gradients (``forward``: the loss alone, from the forwards alone)."""
+        if self.schedule.forward_only and not forward:
+            raise JaxmemError(
+                f"schedule {self.schedule.name!r} runs forwards only, so it gives a loss but no gradients: "
+                "use Pipeline.loss_fn for the loss, or a schedule with backwards (e.g. generate('1f1b', P, M)) "
+                "to train"
+            )
+        tick, _ = self.program(spec, forward=forward)
         M = self.schedule.num_microbatches
         mb = self.check_batch(spec)
         classes, pipe_size, fsdp_size = tick.classes, self.pipe, self.fsdp
@@ -922,6 +943,27 @@ class Pipeline:
                 )
                 return {**vocab_grads, name: acc}, grad_buf, totals
 
+            def head_loss(totals, message, mb_index):
+                """At a last-stage F of a forward-only program: the loss from every rank's slice of the
+                logits (no gradient)."""
+                name = "table" if vocab_split.tied else "head"
+
+                def run(_):
+                    (h,) = jax.tree.leaves(from_rank(last_rank, message))
+                    micro = read(batch, jnp.maximum(mb_index, 0))
+                    offset = pipe_index * vocab[name].shape[0]
+                    logits = _vocab.head_slice(
+                        vocab[name], h, offset, vocab_size, vocab_split.dtype, vocab_split.softcap
+                    )
+                    mask = micro.get("loss_mask")
+                    mask = jnp.ones(logits.shape[:-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+                    loss, _ = _vocab.cross_entropy_parts(logits, micro["targets"], offset, mask, total)
+                    return _vary(jnp.sum(loss * mask)), _vary(jnp.sum(mask))
+
+                loss_sum, weight = jax.lax.cond(mb_index >= 0, run, lambda _: (zero, zero), None)
+                counts = (pipe_index == last_rank) & (mb_index >= 0)
+                return (totals[0] + jnp.where(counts, loss_sum, 0.0), totals[1] + jnp.where(counts, weight, 0.0))
+
             def tick_step(carry, rows):
                 row, vocab_row = rows
                 act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals = carry
@@ -941,7 +983,9 @@ class Pipeline:
                     at = arena.at[index] if arena.ndim == 1 else arena.at[:, index]
                     new_arenas.append(at.set(values, mode="drop", indices_are_sorted=True, unique_indices=True))
                 arenas = tuple(new_arenas)
-                if vocab_split is not None:
+                if vocab_split is not None and forward:
+                    totals = head_loss(totals, message, vocab_row[2])
+                elif vocab_split is not None:
                     vocab_grads = embed_grads(vocab_grads, message, vocab_row[1])
                     vocab_grads, grad_buf, totals = head(vocab_grads, grad_buf, totals, message, row, vocab_row[2])
                 act_buf = write(act_buf, message, row[col["local_act"]])
@@ -970,22 +1014,29 @@ class Pipeline:
             def message_buffer(slots):
                 return jax.tree.map(lambda a: _vary(jnp.zeros((slots + 1, *a.shape), a.dtype)), message_spec)
 
+            if forward:  # no gradients to accumulate
+                grads = shared_grads = vocab_grads = None
+            else:
+                grads = tuple(
+                    accumulators(k if keep else t, m)
+                    for t, k, keep, m in zip(stage_params, kept, kept_gathered, master.stages)
+                )
+                shared_grads, vocab_grads = accumulators(shared, master.shared), accumulators(vocab, master.vocab)
             carry = (
                 message_buffer(tick.act_slots),
                 message_buffer(tick.grad_slots),
                 tuple(arena_buffer(k, n, c) for k, n, c in zip(keys, tick.arena_elems, cuts)),
-                tuple(
-                    accumulators(k if keep else t, m)
-                    for t, k, keep, m in zip(stage_params, kept, kept_gathered, master.stages)
-                ),
-                accumulators(shared, master.shared),
-                accumulators(vocab, master.vocab),
+                grads,
+                shared_grads,
+                vocab_grads,
                 (zero, zero),
             )
             carry, _ = jax.lax.scan(tick_step, carry, (table_local[0], vocab_table))
             _, _, _, grads, shared_grads, vocab_grads, (loss_sum, weight) = carry
             loss_sum = jax.lax.psum(loss_sum, AXES)
             weight = jax.lax.psum(weight, AXES)
+            if forward:
+                return loss_sum / weight
             scale = tokens_global / weight  # exactly 1 without a loss mask
 
             def finish(g, p: LeafPlacement, whole: bool = False):
@@ -1033,7 +1084,9 @@ class Pipeline:
                 P(),
                 P(),
             ),
-            out_specs=(
+            out_specs=P()
+            if forward
+            else (
                 P(),
                 specs(placement.stages, "state"),
                 specs(placement.shared, "state"),
@@ -1052,9 +1105,10 @@ class Pipeline:
                 )
             if self.master_cut:  # master weights given: the stages read them cast (a no-op on a compute copy)
                 params = jax.tree.map(lambda a, c: a.astype(c.dtype), params, abstract)
-            loss, grads, shared_grads, vocab_grads = sharded(
-                params.stages, params.shared, params.vocab, batch, table, vocab_ticks, rng
-            )
+            out = sharded(params.stages, params.shared, params.vocab, batch, table, vocab_ticks, rng)
+            if forward:
+                return out
+            loss, grads, shared_grads, vocab_grads = out
             return loss, PipelineParams(stages=grads, shared=shared_grads, vocab=vocab_grads)
 
         return grad_fn

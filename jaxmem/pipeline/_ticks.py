@@ -251,10 +251,11 @@ def build_tick_program(
         if a.kind is Kind.F:
             if s > 0:
                 act_items[rank_of[s]].append((tick_of[(s - 1, Kind.F, m)], ticks[a], (s, m)))
-            stash_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), (s, m)))
+            if not schedule.forward_only:  # nothing is kept for a backward that never runs
+                stash_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), (s, m)))
         elif a.kind in (Kind.B, Kind.I) and s > 0:
             grad_items[rank_of[s - 1]].append((ticks[a], last_use(s - 1, m), (s - 1, m)))
-        if head_grads and a.kind is Kind.F and s == num_stages - 1:
+        if head_grads and a.kind is Kind.F and s == num_stages - 1 and not schedule.forward_only:
             grad_items[rank_of[s]].append((ticks[a], last_use(s, m), (s, m)))
 
     act_slot, grad_slot = {}, {}
@@ -362,7 +363,7 @@ def _tick_table(
             row[col["act_in"]] = act_slot[(r, (s, m))]
         if a.kind in (Kind.B, Kind.I, Kind.W) and (s < num_stages - 1 or head_grads):
             row[col["grad_in"]] = grad_slot[(r, (s, m))]
-        if head_grads and a.kind is Kind.F and s == num_stages - 1:
+        if head_grads and a.kind is Kind.F and s == num_stages - 1 and not schedule.forward_only:
             row[col["head_grad"]] = grad_slot[(r, (s, m))]
         # Where the output goes: F -> stage s+1's activation buffer; B/I -> stage s-1's gradient buffer.
         if a.kind is Kind.F and s < num_stages - 1:

@@ -14,6 +14,7 @@ from jaxmem.schedule._draw import draw as draw
 from jaxmem.schedule._generators import GeneratorInfo as GeneratorInfo
 from jaxmem.schedule._generators import align as align
 from jaxmem.schedule._generators import chronos as chronos
+from jaxmem.schedule._generators import forward_only as forward_only
 from jaxmem.schedule._generators import generate as generate
 from jaxmem.schedule._generators import get_generator as get_generator
 from jaxmem.schedule._generators import gpipe as gpipe

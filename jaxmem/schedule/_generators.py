@@ -13,6 +13,7 @@ __all__ = [
     "GeneratorInfo",
     "align",
     "chronos",
+    "forward_only",
     "v_half",
     "v_min",
     "generate",
@@ -51,6 +52,40 @@ def align(schedule: Schedule) -> Schedule:
             row[ticks[a]] = a
         rows.append(row)
     return dataclasses.replace(schedule, ranks=rows)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule``'s stages, on the ranks that hold them, for every microbatch: what
+    an evaluation runs (the loss of every microbatch, no gradients, nothing kept for a backward).
+
+    Nothing waits for a backward, so the order is made anew, greedily: at each tick every rank runs
+    the deepest of its stages whose input is ready (draining microbatches before it starts new
+    ones), each stage taking the microbatches in order. A plain pipeline of P ranks takes M + P - 1
+    ticks, an interleaved one V x M + P - 1, a V-shape (ZBV) V x M + 2 (P - 1).
+
+    >>> forward_only(generate("1f1b", 2, 2)).rows_as_text()
+    [['0F0', '0F1'], ['', '1F0', '1F1']]
+    """
+    validate(schedule)
+    num_stages, M = schedule.num_stages, schedule.num_microbatches
+    done: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> tick
+    next_mb = [0] * num_stages
+    orders: list[list[Action]] = [[] for _ in range(schedule.num_ranks)]
+    tick = 0
+    while any(m < M for m in next_mb):
+        for rank, order in enumerate(orders):
+            ready = [
+                s
+                for s in schedule.stages_of(rank)
+                if next_mb[s] < M and (s == 0 or done.get((s - 1, next_mb[s]), tick) < tick)
+            ]
+            if ready:
+                s = max(ready)
+                order.append(Action(s, Kind.F, next_mb[s]))
+                done[(s, next_mb[s])] = tick
+                next_mb[s] += 1
+        tick += 1
+    return _finish(f"{schedule.name} (forward only)", orders, schedule.stage_to_rank)
 
 
 def _finish(name: str, orders: Sequence[Sequence[Action]], stage_to_rank: Sequence[int]) -> Schedule:

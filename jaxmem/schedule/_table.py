@@ -109,6 +109,12 @@ class Schedule:
         """Whether the backward is split into I (input-gradient) and W (weight-gradient) actions."""
         return any(a.kind in (Kind.I, Kind.W) for a in self.actions())
 
+    @property
+    def forward_only(self) -> bool:
+        """Whether the table runs forwards only (an evaluation: the loss, no gradients, nothing
+        stashed); see :func:`~jaxmem.schedule.forward_only`."""
+        return self._memo("_forward_only", lambda: all(a.kind is Kind.F for a in self.actions()))
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """Stages owned by ``rank``, in increasing order."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)

@@ -16,7 +16,8 @@ def validate(schedule: Schedule) -> Schedule:
     """Check a schedule; return it unchanged when it is valid.
 
     Checks, in order: every stage lives on one rank (the one ``stage_to_rank`` names); every stage
-    runs F once per microbatch and then either one B or one I followed by one W; every action's inputs
+    runs F once per microbatch and then either one B or one I followed by one W (or, in a
+    forward-only table, no backward at all: :func:`~jaxmem.schedule.forward_only`); every action's inputs
     are produced by an earlier action (across stages: F(s-1) before F(s), the input-gradient of s+1
     before the backward of s); and the per-rank orders together do not deadlock.
 
@@ -125,7 +126,7 @@ def _check_completeness(schedule: Schedule) -> None:
                     fix=f"add {f} to rank {schedule.stage_to_rank[stage]}"
                     + (f" before {backward}" if backward else ""),
                 )
-            if backward is None:
+            if backward is None and not schedule.forward_only:
                 rank, step = at(f)
                 raise ScheduleError(
                     f"{f} has no backward: stage {stage} never runs {b} (or {i} and {w}) for microbatch {mb}",

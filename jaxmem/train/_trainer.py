@@ -206,15 +206,15 @@ class Trainer:
 
     def eval_loss(self, state: TrainState, batches: int | None = None) -> float:
         """Mean loss over the first ``batches`` batches of the held-out data (the same batches every
-        time). It runs the pipelined loss and gradient without the update (no forward-only schedule
-        yet), as its own compiled program."""
+        time). It runs the schedule's forwards alone (:meth:`~jaxmem.pipeline.Pipeline.loss_fn`: no
+        backward, nothing stashed), as its own compiled program."""
         batches = batches or self.config.eval_batches
         data = self.data_iterator(split="eval")
         if self._eval_fn is None:
             pipeline = self.pipeline
-            grad_fn = pipeline.grad_fn(self.batch_spec())
+            loss_fn = pipeline.loss_fn(self.batch_spec())
             self._eval_fn = jax.jit(
-                lambda p, b: grad_fn(pipeline.compute_params(p), b)[0], out_shardings=NamedSharding(self.mesh, P())
+                lambda p, b: loss_fn(pipeline.compute_params(p), b), out_shardings=NamedSharding(self.mesh, P())
             )
         params = to_device(state.params)
         losses = [
