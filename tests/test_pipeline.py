@@ -202,5 +202,7 @@ def test_a_batch_of_the_wrong_structure_is_refused():
     tokens = jnp.zeros((4, 16), jnp.int32)
     with pytest.raises(JaxmemError, match="built for batches .*tokens.*; got .*loss_mask"):
         fn(pipe.abstract_params(), make_batch(tokens, tokens, loss_mask=jnp.ones((4, 16))))
-    with pytest.raises(JaxmemError, match="a batch is a dict with 'tokens' and 'targets'"):
+    with pytest.raises(JaxmemError, match="a batch is a dict of arrays that lead with the batch size"):
         pipe.check_batch((tokens, tokens))
+    with pytest.raises(JaxmemError, match="every batch leaf must lead with the batch size 4"):
+        pipe.check_batch({"tokens": tokens, "targets": tokens, "label": jnp.zeros((3,))})

@@ -162,13 +162,31 @@ def _raw_key(rng, model) -> jax.Array:
 
 
 def _spec_of(batch) -> dict:
-    """Abstract batch (shapes and dtypes only) of a batch of arrays or of shaped values."""
-    if not isinstance(batch, dict) or "tokens" not in batch or "targets" not in batch:
+    """Abstract batch (shapes and dtypes only) of a batch of arrays or of shaped values: a dict of
+    arrays that lead with the batch size, any keys (``tokens``/``targets`` are the built-in language
+    models' convention)."""
+    if not isinstance(batch, dict) or not batch or not all(hasattr(v, "shape") for v in batch.values()):
         raise JaxmemError(
-            "a batch is a dict with 'tokens' and 'targets' (and optionally 'loss_mask', 'positions'), "
-            f"got {type(batch).__name__}{'' if not isinstance(batch, dict) else ' with keys ' + str(sorted(batch))}"
+            "a batch is a dict of arrays that lead with the batch size, e.g. {'tokens', 'targets'} for the "
+            "language models or {'images', 'labels'} for a classifier; "
+            f"got {type(batch).__name__}"
+            + ("" if not isinstance(batch, dict) else f" with { ({k: type(v).__name__ for k, v in batch.items()}) }")
         )
     return {k: jax.ShapeDtypeStruct(tuple(v.shape), jnp.dtype(v.dtype)) for k, v in batch.items()}
+
+
+def _batch_size(spec: dict) -> int:
+    """The batch size of a batch spec: the leading dimension of its leaves (``tokens`` first)."""
+    first = spec["tokens"] if "tokens" in spec else spec[min(spec)]
+    if not first.shape:
+        raise JaxmemError(f"batch leaves must lead with the batch size; got a scalar {first}")
+    return first.shape[0]
+
+
+def _counted(spec: dict) -> int:
+    """What the loss's mean is over, before a loss mask: the targets of a language model's batch
+    (every position), else the examples."""
+    return int(np.prod(spec["targets"].shape)) if "targets" in spec else _batch_size(spec)
 
 
 def _key(spec: dict) -> tuple:
@@ -463,7 +481,7 @@ class Pipeline:
         """Microbatch size for a batch (a batch dict or spec, or a batch size with ``seq``); raises with
         values that would work otherwise."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
-        size, seq = spec["tokens"].shape[0], spec["tokens"].shape[-1]
+        size = _batch_size(spec)
         for key, leaf in spec.items():
             if not leaf.shape or leaf.shape[0] != size:
                 raise JaxmemError(
@@ -477,7 +495,8 @@ class Pipeline:
                 f"batch size {size} is not divisible by {what} x microbatches ({M}) = "
                 f"{D * M}; use a batch size in {ok}, ..."
             )
-        self.model.check_batch(seq)
+        if "tokens" in spec:  # a language model's: its sequence length is checked against the model's
+            self.model.check_batch(spec["tokens"].shape[-1])
         return size // (D * M)
 
     # ------------------------------------------------------------------ the program
@@ -642,9 +661,10 @@ class Pipeline:
         table = jnp.asarray(tick.table.astype(np.int32))
         weights_on_host, kept_gathered = self.weights_on_host, self.kept_gathered
         message_spec = self.message_spec(spec)
-        # The cotangent of every microbatch's loss_sum: 1 / (the global batch's target count), so that
-        # unmasked gradients come out exactly as the mean loss's; masked ones are rescaled at the end.
-        tokens_global = int(np.prod(spec["targets"].shape))
+        # The cotangent of every microbatch's loss_sum: 1 / (the global batch's target count, or its
+        # example count), so that unweighted gradients come out exactly as the mean loss's; weighted
+        # (masked) ones are rescaled at the end.
+        tokens_global = _counted(spec)
         ct_scale = 1.0 / tokens_global
 
         stage_ids = jnp.asarray([self.schedule.stages_of(r) for r in range(pipe_size)], jnp.int32)
