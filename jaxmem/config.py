@@ -46,8 +46,9 @@ class TrainConfig:
 
     Attributes:
         model: a model preset (``tiny``, ``gpt2-small``, ``gpt2-medium``, ``gpt2-xl``, ``llama-tiny``,
-            ``llama-1b``, ``llama-8b``, ``llama-70b``), a GPTConfig / LlamaConfig, or any
-            :class:`~jaxmem.models.StagedModel` (e.g. from :func:`~jaxmem.models.from_nnx`).
+            ``llama-1b``, ``llama-8b``, ``llama-70b``), a GPTConfig / LlamaConfig, any
+            :class:`~jaxmem.models.StagedModel` (e.g. from :func:`~jaxmem.models.from_nnx`), or
+            ``"package.module:attr"`` naming one or a function returning one.
         dtype: compute dtype of a preset or config model (``bfloat16`` for mixed precision); None
             keeps the model's.
         param_dtype: dtype of its parameters, gradients and optimizer state (``float32`` master
@@ -392,7 +393,8 @@ def add_arguments(p) -> None:
     g.add_argument(
         "--model",
         help="model preset: tiny (default), gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b, "
-        "llama-70b",
+        "llama-70b; or your own as package.module:attr, a StagedModel or a function returning one "
+        "(e.g. from jaxmem.models.from_nnx), imported from the current directory or PYTHONPATH",
     )
     g.add_argument("--dtype", help="compute dtype, e.g. bfloat16 (mixed precision; default: the model's, float32)")
     g.add_argument("--param-dtype", help="parameter / gradient / optimizer-state dtype (default float32)")

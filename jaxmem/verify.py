@@ -74,7 +74,10 @@ def tolerance_for(dtype) -> Tolerance:
 
 def verification_model(num_stages: int, base="tiny", **overrides) -> StagedModel:
     """A small copy of a preset whose layers split evenly over ``num_stages``: two layers per stage up
-    to 3 stages (so multi-layer stages are exercised), one per stage beyond (to keep compiles short)."""
+    to 3 stages (so multi-layer stages are exercised), one per stage beyond (to keep compiles short).
+    A model of your own (a StagedModel, or ``package.module:attr``) is checked as it is."""
+    if isinstance(base, StagedModel) or (isinstance(base, str) and ":" in base):
+        return get_model(base, **overrides)
     layers = 2 * num_stages if num_stages <= 3 else num_stages
     return get_model(base, **{"n_layers": layers, "max_seq_len": 16, **overrides})
 

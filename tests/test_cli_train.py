@@ -116,3 +116,61 @@ main({argv!r})
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["ok", "2"], proc.stdout
+
+
+_USER_MODEL = """
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jaxmem.models import from_nnx, token_loss
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + nnx.tanh(checkpoint_name(self.lin(x), "hidden"))
+
+
+class LM(nnx.Module):
+    def __init__(self, rngs):
+        self.tok = nnx.Embed(256, 16, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(4)])
+        self.out = nnx.Linear(16, 256, rngs=rngs)
+
+
+def build():
+    return from_nnx(
+        LM,
+        layers="blocks",
+        embed=lambda m, b: m.tok(b["tokens"]),
+        head_loss=lambda m, x, b: token_loss(m.out(x), b),
+        tags=("hidden",),
+        name="user-lm",
+        vocab_size=256,
+    )
+"""
+
+
+def test_a_model_of_your_own_is_named_on_the_command_line(tmp_path, monkeypatch, capsys):
+    """``--model package.module:attr`` (a factory here) gets verify, memory, plan and train from the
+    CLI, imported from the directory the command runs in; a wrong name says what is wrong."""
+    (tmp_path / "user_models.py").write_text(_USER_MODEL)
+    monkeypatch.chdir(tmp_path)
+    spec = "user_models:build"
+    assert main(["verify", "--model", spec, *SMALL[:4], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    assert main(["memory", "--model", spec, *SMALL, "--compile", "no", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "user-lm"
+    plan = ["plan", "--model", spec, "--devices", "2", "--budget", "1GiB", "--batch-size", "4", "--seq-len", "16"]
+    assert main([*plan, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+    assert main(["train", "--model", spec, *SMALL, "--steps", "2", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 2
+    for bad, message in (
+        ("user_models:nothing", "has no attribute 'nothing'"),
+        ("no_such_module:build", "cannot import 'no_such_module'"),
+        ("user_models:Block", "it must be a StagedModel or a function returning one"),
+    ):
+        assert main(["memory", "--model", bad, *SMALL, "--compile", "no"]) == 2
+        assert message in capsys.readouterr().err

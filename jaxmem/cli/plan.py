@@ -47,7 +47,11 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="tiny", help="model preset (default tiny; e.g. gpt2-xl, llama-8b)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="model preset (default tiny; e.g. gpt2-xl, llama-8b), or your own as package.module:attr",
+    )
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     add_attention_argument(p)

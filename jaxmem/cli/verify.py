@@ -37,7 +37,12 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="tiny", help="model preset to copy small (default tiny; e.g. llama-tiny)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="model preset to copy small (default tiny; e.g. llama-tiny), or your own as package.module:attr "
+        "(checked as it is: pick a schedule whose stages divide its layers)",
+    )
     p.add_argument("--dtype", help="compute dtype (e.g. bfloat16; default the model's)")
     p.add_argument("--param-dtype", help="parameter dtype (default float32)")
     add_attention_argument(p)

@@ -43,19 +43,25 @@ def model_name(spec) -> str:
     """How a model spec is named in reports: the preset name, the model's own name, or its config type."""
     if isinstance(spec, StagedModel):
         return spec.name
+    if isinstance(spec, str) and ":" in spec:
+        return spec.strip()
     if isinstance(spec, str):
         return spec.strip().lower()
     return type(spec).__name__.replace("Config", "").lower()
 
 
 def get_model(spec, **overrides) -> StagedModel:
-    """A :class:`StagedModel` from a preset name, a GPTConfig / LlamaConfig, or a StagedModel.
+    """A :class:`StagedModel` from a preset name, a GPTConfig / LlamaConfig, a StagedModel, or
+    ``"package.module:attr"`` naming a StagedModel or a function that returns one (the module is
+    imported from the current directory or the installed packages; a function is called once).
 
     ``overrides`` change config fields of a preset or config (``n_layers``, ``dtype``, ...).
 
     >>> get_model("llama-tiny", n_layers=2).n_layers
     2
     """
+    if isinstance(spec, str) and ":" in spec:
+        spec = _imported(spec.strip())
     if isinstance(spec, StagedModel):
         if overrides:
             raise JaxmemError(
@@ -63,6 +69,40 @@ def get_model(spec, **overrides) -> StagedModel:
             )
         return spec
     return _build(get_config(spec, **overrides), model_name(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _imported(text: str) -> StagedModel:
+    """The model ``package.module:attr`` names (cached: every lookup of one name gives one object, so
+    its traced facts are shared)."""
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attr = text.partition(":")
+    if not module_name or not attr:
+        raise JaxmemError(f"model {text!r}: name a model as package.module:attr, e.g. mymodels:vit")
+    if os.getcwd() not in sys.path:  # as `python -m` does: a module beside the run is found
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise JaxmemError(
+            f"model {text!r}: cannot import {module_name!r} ({e}); run from the directory that holds it, "
+            "or put it on PYTHONPATH"
+        ) from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise JaxmemError(f"model {text!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, (StagedModel, type)) and callable(obj):  # a factory (a class is not one)
+        obj = obj()
+    if not isinstance(obj, StagedModel):
+        raise JaxmemError(
+            f"model {text!r} is {'the class ' + obj.__name__ if isinstance(obj, type) else 'a ' + type(obj).__name__}; "
+            "it must be a StagedModel or a function returning one (e.g. built with jaxmem.models.from_nnx)"
+        )
+    return obj
 
 
 @functools.lru_cache(maxsize=64)
