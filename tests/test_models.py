@@ -519,6 +519,36 @@ def _vit_head_loss(m, x, batch):
     return jnp.sum(nll), jnp.asarray(nll.shape[0], jnp.float32)
 
 
+def _vit_batch_spec(size, seq):  # no sequence: a classifier's images and labels
+    return {
+        "images": jax.ShapeDtypeStruct((size, 8, 8, 3), jnp.float32),
+        "labels": jax.ShapeDtypeStruct((size,), jnp.int32),
+    }
+
+
+def test_the_ledger_and_planner_take_a_models_own_batch():
+    """A model that says what its batch is (``batch_spec``) is traced with it: the ledger predicts a
+    ViT's step (its stash exactly the executor's arenas) and the planner plans it."""
+    from jaxmem.memory import predict
+    from jaxmem.search import search
+
+    model = from_nnx(
+        _TinyViT,
+        layers="blocks",
+        embed=_vit_embed,
+        head_loss=_vit_head_loss,
+        tags=("mlp",),
+        batch_spec=_vit_batch_spec,
+    )
+    schedule = generate("1f1b", 2, 4)
+    ledger = predict(model, schedule, "save-all", batch=8, seq=1)
+    tick, _ = Pipeline(model, schedule, make_mesh(pipe=2)).program(_vit_batch_spec(8, 1))
+    arenas = sum(n * np.dtype(k[0]).itemsize for k, n in zip(tick.stash_keys, tick.arena_elems))
+    assert ledger.ranks[0].categories["stash"].device == arenas > 0
+    plan = search(model, devices=2, batch=8, seq=1, budget_bytes=2**30, schedules=("1f1b",), microbatches=[4])
+    assert plan.best is not None and plan.best.fits
+
+
 @pytest.mark.parametrize("name,policy", [("1f1b", "selective"), ("zbv", "recompute-all")])
 def test_a_classifier_with_its_own_batch_pipelines_and_trains(name, policy):
     """A batch is any dict of arrays leading with the batch size: a ViT's {'images', 'labels'} gives

@@ -185,7 +185,8 @@ class ModelFacts:
         from jaxmem.models import RNG_SPEC
         from jaxmem.pipeline import batch_spec
 
-        spec = batch_spec(microbatch, seq)
+        own = self.model.batch_spec
+        spec = batch_spec(microbatch, seq) if own is None else dict(own(microbatch, seq))
         return {**spec, "rng": RNG_SPEC} if self.model.rng else spec
 
     def message(self, microbatch: int, seq: int):

@@ -22,7 +22,7 @@ import functools
 
 import numpy as np
 
-from jaxmem._util import compiled_bytes
+from jaxmem._util import compiled_bytes, tree_bytes
 from jaxmem.policy import resolve
 
 __all__ = [
@@ -211,7 +211,7 @@ def predict(
         schedule, classes, sizes, assignment, vocab
     )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
-    inputs = 2 * (batch // replicas) * seq * 4
+    inputs = tree_bytes({k: v for k, v in facts.batch(batch // replicas, seq).items() if k != "rng"})
     # Beside it, the step's gradient accumulators leave the executor's switch updated while the old
     # ones are still live.
     working += grads.device

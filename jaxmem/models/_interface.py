@@ -357,6 +357,10 @@ class StagedModel:
             are kept whole (and sharded only by ``fsdp`` and ZeRO).
         axes: a tree like the parameters of :class:`ParamAxes`: the dimensions a mesh's ``tensor``
             axis cuts (:func:`from_nnx` reads them from ``nnx.with_partitioning``); None: none.
+        batch_spec: ``(batch_size, seq_len) -> dict of jax.ShapeDtypeStruct``: the batch the model
+            takes, abstract (what the ledger, the planner and ``jaxmem memory`` trace it with); None:
+            int32 ``tokens`` and ``targets`` ``[batch, seq]``, the language models' convention. A
+            model whose batch has no sequence (a classifier) may ignore ``seq_len``.
     """
 
     name: str
@@ -377,6 +381,7 @@ class StagedModel:
     logits: Callable | None = None
     vocab: VocabParallel | None = None
     axes: object = None
+    batch_spec: Callable[[int, int], dict] | None = None
 
     def __post_init__(self):
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -493,6 +498,7 @@ def from_nnx(
     logits: Callable | None = None,
     vocab: VocabParallel | None = None,
     axis_rules: Mapping[str, str | None] | None = None,
+    batch_spec: Callable[[int, int], dict] | None = None,
 ) -> StagedModel:
     """A :class:`StagedModel` from a Flax NNX module, using the module's own code for the math.
 
@@ -524,6 +530,9 @@ def from_nnx(
             itself go to the ``tensor`` axis). Only ``tensor`` is taken from the model; names that map
             elsewhere or nowhere leave the dimension to jaxmem's own placement. The module is built
             without eager sharding (``nnx.use_eager_sharding(False)``), so no mesh context is needed.
+        batch_spec: ``(batch_size, seq_len) -> dict of jax.ShapeDtypeStruct``, the batch the model
+            takes when it is not the language models' int32 ``tokens``/``targets`` (e.g. a
+            classifier's images and labels): the ledger and planner trace the model with it.
 
     Only ``nnx.Param`` variables are trained. A model with other stored state (batch statistics, RNG
     streams kept in the module) is refused with the variables named.
@@ -691,6 +700,7 @@ def from_nnx(
         rng=bool(rng),
         logits=logits_fn,
         axes=_param_axes(params, AXIS_RULES if axis_rules is None else axis_rules, name),
+        batch_spec=batch_spec,
     )
     if factory is not None:  # the abstract module built above is what init(0) would give: keep its shapes
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(params))
