@@ -151,7 +151,7 @@ def predict(
     if batch % (replicas * M):
         raise JaxmemError(f"batch {batch} is not divisible by replicas ({replicas}) x microbatches ({M})")
     mb = batch // (replicas * M)
-    cells = cell_classes(schedule, counts, resolved, drop_layers)
+    cells = cell_classes(schedule, counts, resolved, drop_layers, model.layer_kinds)
     virtual = schedule.num_stages // schedule.num_ranks
     weights_host = [resolved.offload_weights(schedule.stages_of(0)[v]) for v in range(virtual)]
     opt_host = [resolved.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(virtual)]

@@ -357,6 +357,10 @@ class StagedModel:
             are kept whole (and sharded only by ``fsdp`` and ZeRO).
         axes: a tree like the parameters of :class:`ParamAxes`: the dimensions a mesh's ``tensor``
             axis cuts (:func:`from_nnx` reads them from ``nnx.with_partitioning``); None: none.
+        layer_kinds: for each layer, which of ``kind_layers`` runs it: layers of one parameter
+            structure whose static configuration differs (a sliding window on some, a RoPE base, a
+            flag set in ``__init__``); None: every layer is ``layer``.
+        kind_layers: the layer function of each kind (``kind_layers[0]`` is ``layer``).
         batch_spec: ``(batch_size, seq_len) -> dict of jax.ShapeDtypeStruct``: the batch the model
             takes, abstract (what the ledger, the planner and ``jaxmem memory`` trace it with); None:
             int32 ``tokens`` and ``targets`` ``[batch, seq]``, the language models' convention. A
@@ -382,6 +386,16 @@ class StagedModel:
     vocab: VocabParallel | None = None
     axes: object = None
     batch_spec: Callable[[int, int], dict] | None = None
+    layer_kinds: tuple[int, ...] | None = None
+    kind_layers: tuple[Callable, ...] | None = None
+
+    def layer_of_kind(self, kind: int) -> Callable:
+        """The layer function of one kind (:attr:`layer_kinds`)."""
+        return self.layer if self.kind_layers is None else self.kind_layers[kind]
+
+    def layer_at(self, index: int) -> Callable:
+        """The layer function of global layer ``index``."""
+        return self.layer if self.layer_kinds is None else self.layer_of_kind(self.layer_kinds[index])
 
     def __post_init__(self):
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -424,7 +438,7 @@ class StagedModel:
                 x = self.embed(shared, layer_batch(stage_batch, EMBED_KEY))
             for local, index in enumerate(indices):
                 if index not in skip:
-                    x = self.layer(layers[index], x, layer_batch(stage_batch, local))
+                    x = self.layer_at(index)(layers[index], x, layer_batch(stage_batch, local))
             if s == len(stages) - 1:
                 return self.head_loss(shared, x, layer_batch(stage_batch, HEAD_KEY))
         raise JaxmemError("stage_sums: no stages given")
@@ -586,15 +600,23 @@ def from_nnx(
             "without rngs, pass the key jaxmem provides (e.g. call_layer=lambda block, x, batch: block(x, "
             'rngs=batch["rng"])) and say from_nnx(..., rng=True)'
         )
-    layer_graphdef = nnx.graphdef(layer_modules[0])
+    # Layers of one parameter structure may differ in their static configuration (a window, a RoPE
+    # base, a flag set in __init__): each distinct graphdef is a kind, run by its own layer function.
+    layer_graphdefs: list = []
+    layer_kinds = []
     layer_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(layer_modules[0], nnx.Param)))
-    for i, module in enumerate(layer_modules[1:], start=1):
+    for i, module in enumerate(layer_modules):
         shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(module, nnx.Param)))
-        if nnx.graphdef(module) != layer_graphdef or shapes != layer_shapes:
+        if shapes != layer_shapes:
             raise JaxmemError(
-                f"from_nnx: layer {i} of {layers!r} differs in structure from layer 0; a pipeline stage holds "
-                "a number of identical layers, so every entry of the list must be built alike"
+                f"from_nnx: layer {i} of {layers!r} has other parameters than layer 0 (shapes or structure); "
+                "a pipeline stage stacks its layers' parameters, so every layer must hold the same ones "
+                "(layers that differ only in static settings such as a window are fine)"
             )
+        graphdef_i = nnx.graphdef(module)
+        if graphdef_i not in layer_graphdefs:
+            layer_graphdefs.append(graphdef_i)
+        layer_kinds.append(layer_graphdefs.index(graphdef_i))
 
     # The model without its layers: embed and head_loss run on it (the arrays are shared, not copied).
     shell = nnx.merge(graphdef, params, rest)
@@ -626,9 +648,14 @@ def from_nnx(
     def embed_fn(shared, batch):
         return embed(shell_module(shared), batch)
 
-    def layer_fn(layer_params, x, batch):
-        module = nnx.merge(layer_graphdef, layer_params)
-        return call_layer(module, x, batch) if call_layer is not None else module(x)
+    def kind_layer(layer_graphdef):
+        def layer_fn(layer_params, x, batch):
+            module = nnx.merge(layer_graphdef, layer_params)
+            return call_layer(module, x, batch) if call_layer is not None else module(x)
+
+        return layer_fn
+
+    kind_fns = tuple(kind_layer(g) for g in layer_graphdefs)
 
     def head_fn(shared, x, batch):
         return head_loss(shell_module(shared), x, batch)
@@ -689,7 +716,7 @@ def from_nnx(
         split=split,
         join=join,
         embed=embed_fn,
-        layer=layer_fn,
+        layer=kind_fns[0],
         head_loss=head_fn,
         tags=tags if isinstance(tags, TagSet) else TagSet(tuple(tags)),
         loss=loss_fn,
@@ -701,6 +728,8 @@ def from_nnx(
         logits=logits_fn,
         axes=_param_axes(params, AXIS_RULES if axis_rules is None else axis_rules, name),
         batch_spec=batch_spec,
+        layer_kinds=tuple(layer_kinds) if len(kind_fns) > 1 else None,
+        kind_layers=kind_fns if len(kind_fns) > 1 else None,
     )
     if factory is not None:  # the abstract module built above is what init(0) would give: keep its shapes
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(params))

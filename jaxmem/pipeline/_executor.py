@@ -264,7 +264,9 @@ class Pipeline:
         bad_drop = sorted(i for i in self.drop_layers if not 0 <= i < self.model.n_layers)
         if bad_drop:
             raise JaxmemError(f"dropped layers {bad_drop} are outside the model's layers 0..{self.model.n_layers - 1}")
-        self.cell_classes = cell_classes(schedule, self.layer_counts, self.policy, self.drop_layers)
+        self.cell_classes = cell_classes(
+            schedule, self.layer_counts, self.policy, self.drop_layers, self.model.layer_kinds
+        )
         # Weights on host per local position (the policy checked this is consistent across ranks).
         self.weights_on_host = tuple(self.policy.offload_weights(schedule.stages_of(0)[v]) for v in range(self.virtual))
         # Under FSDP, local stages whose gathered weights stay from the step's first action to its end.
@@ -505,7 +507,13 @@ class Pipeline:
         pipeline holds it (without the vocabulary tables when they are split), wrapped in its policy's
         ``jax.checkpoint``."""
         fn = stage_forward(
-            self.model, first=c.first, last=c.last, layers=c.layers, skip=c.skip, vocab=self.vocab is not None
+            self.model,
+            first=c.first,
+            last=c.last,
+            layers=c.layers,
+            skip=c.skip,
+            vocab=self.vocab is not None,
+            kinds=c.kinds,
         )
         return self.policy.variants[c.variant].wrap(fn) if checkpointed else fn
 

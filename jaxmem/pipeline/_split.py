@@ -87,13 +87,22 @@ def unstack_layers(stacked, layers: int) -> list:
 
 
 def stage_forward(
-    model, *, first: bool, last: bool, layers: int, skip: tuple[int, ...] = (), vocab: bool = False
+    model,
+    *,
+    first: bool,
+    last: bool,
+    layers: int,
+    skip: tuple[int, ...] = (),
+    vocab: bool = False,
+    kinds: tuple[int, ...] = (),
 ) -> Callable:
     """``fn(stage_params, shared, x, batch)`` of one stage of a :class:`~jaxmem.models.StagedModel`:
     the embedding if ``first`` (``x`` is then ignored), ``layers`` layers (except the local indices
     in ``skip``: layer drop), the head's ``(loss_sum, weight)`` if ``last``. ``stage_params`` leaves
     have a leading layer axis (at least ``layers``). A ``batch["rng"]`` (the stage's key) is folded
-    per layer (:func:`jaxmem.models.layer_batch`).
+    per layer (:func:`jaxmem.models.layer_batch`). ``kinds``: the kind of each layer, for a model
+    whose layers differ in static configuration (:attr:`~jaxmem.models.StagedModel.layer_kinds`;
+    empty: every layer is ``model.layer``).
 
     With ``vocab`` (the vocabulary split over the ranks, :class:`~jaxmem.models.VocabParallel`), the
     first stage starts from its looked-up rows ``x`` (``model.vocab.embed``) and the last ends with
@@ -113,7 +122,8 @@ def stage_forward(
         for i in range(layers):
             if i in skip:
                 continue
-            x = model.layer(per_layer[i], x, layer_batch(batch, i))
+            layer = model.layer_of_kind(kinds[i]) if kinds else model.layer
+            x = layer(per_layer[i], x, layer_batch(batch, i))
         if last and vocab:
             return model.vocab.hidden(shared, x, layer_batch(batch, HEAD_KEY))
         if last:

@@ -36,6 +36,7 @@ class StageClass:
     variant: int = 0  # index of the memory policy the stage-microbatch runs under
     local: int = 0  # position of the stage among its rank's stages (selects the weights)
     skip: tuple[int, ...] = ()  # layers of the stage skipped this step (layer drop)
+    kinds: tuple[int, ...] = ()  # the kind of each of its layers (StagedModel.layer_kinds); () = one kind
 
     @property
     def label(self) -> str:
@@ -117,20 +118,30 @@ class TickProgram:
 
 
 def cell_classes(
-    schedule: Schedule, layer_counts, policy, drop_layers=frozenset()
+    schedule: Schedule, layer_counts, policy, drop_layers=frozenset(), layer_kinds=None
 ) -> dict[tuple[int, int], StageClass]:
-    """The class of every (stage, microbatch): role, layers, policy variant, local position, and the
-    stage's layers dropped this step (``drop_layers`` holds global layer indices)."""
+    """The class of every (stage, microbatch): role, layers, policy variant, local position, the
+    stage's layers dropped this step (``drop_layers`` holds global layer indices) and, for layers of
+    several kinds (``layer_kinds``, one per global layer), the kinds of its layers."""
     S = schedule.num_stages
     local = {s: schedule.stages_of(schedule.stage_to_rank[s]).index(s) for s in range(S)}
     starts = [sum(layer_counts[:s]) for s in range(S)]
     skip = {s: tuple(i for i in range(layer_counts[s]) if starts[s] + i in drop_layers) for s in range(S)}
+    kinds = {
+        s: () if layer_kinds is None else tuple(layer_kinds[starts[s] : starts[s] + layer_counts[s]]) for s in range(S)
+    }
     made: dict[tuple[int, int], StageClass] = {}  # one object per (stage, variant): cells share it
 
     def of(s: int, variant: int) -> StageClass:
         if (s, variant) not in made:
             made[(s, variant)] = StageClass(
-                first=s == 0, last=s == S - 1, layers=layer_counts[s], variant=variant, local=local[s], skip=skip[s]
+                first=s == 0,
+                last=s == S - 1,
+                layers=layer_counts[s],
+                variant=variant,
+                local=local[s],
+                skip=skip[s],
+                kinds=kinds[s],
             )
         return made[(s, variant)]
 
