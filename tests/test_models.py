@@ -653,3 +653,5 @@ def test_layers_that_differ_in_a_static_setting_pipeline_as_written(name):
     params, batch = model.init(0), make_batch(*(2 * [jnp.arange(16).reshape(2, 8) % 32]))
     same = dataclasses.replace(model, layer_kinds=None, kind_layers=None, loss=None)
     assert abs(float(model.plain_loss(params, batch)) - float(same.plain_loss(params, batch))) > 1e-4
+    with pytest.raises(JaxmemError, match="layer_kinds must name one of the 2 kind_layers for each of its 4"):
+        dataclasses.replace(model, layer_kinds=(0, 2, 0, 1))

@@ -402,6 +402,13 @@ class StagedModel:
             raise JaxmemError(f"model {self.name!r}: n_layers must be an integer >= 1, got {self.n_layers!r}")
         if not isinstance(self.tags, TagSet):
             object.__setattr__(self, "tags", TagSet(tuple(self.tags)))
+        if self.layer_kinds is not None:
+            kinds = len(self.kind_layers or ())
+            if len(self.layer_kinds) != self.n_layers or not all(0 <= k < kinds for k in self.layer_kinds):
+                raise JaxmemError(
+                    f"model {self.name!r}: layer_kinds must name one of the {kinds} kind_layers for each of its "
+                    f"{self.n_layers} layers, got {self.layer_kinds!r}"
+                )
 
     def __repr__(self) -> str:
         return f"StagedModel({self.name!r}, {self.n_layers} layers, tags: {self.tags.describe()})"
