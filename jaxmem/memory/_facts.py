@@ -504,8 +504,8 @@ class ModelFacts:
     def _cpu_emulates_16_bits(self, seq: int) -> bool:
         """XLA:CPU computes 16-bit floats by converting around each op, and under its partitioner
         those converted copies are laid out apart: a 16-bit model's tensor working set compiled on
-        CPU says little of an accelerator's (llama-8b bf16, a stage of 4 layers at 2 x 4096: 24.2
-        GiB on a 2-device mesh against 17.2 modelled, where f32 agrees within 1%), so it is
+        CPU says little of an accelerator's (llama-8b bf16, a stage of 4 layers at 2 x 4096: 23.6
+        GiB on a 2-device mesh against 16.8 modelled, where f32 agrees within 1%), so it is
         modelled there."""
         import jax
         import jax.numpy as jnp
