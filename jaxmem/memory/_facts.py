@@ -429,11 +429,10 @@ class ModelFacts:
 
         plan, stage, _ = self._traced_plan(False, False, 1, policy, seq)
         layer_axes = self.model.split(self.model.axes)[0][0]
-        dims = []
-        for a, ax in zip(jax.tree.leaves(stage), jax.tree.leaves(layer_axes), strict=True):
-            d = ax.dim("tensor")
-            # Kept whole where the cut would split a unit (as the placement does).
-            dims.append(None if d is None or a.shape[d + 1] % (tensor * ax.unit) else d + 1)
+        dims = [
+            _tensor_dim(a.shape, ax, 1, tensor)
+            for a, ax in zip(jax.tree.leaves(stage), jax.tree.leaves(layer_axes), strict=True)
+        ]
         dims += [None] * (len(plan.closed.jaxpr.invars) - len(dims))
         outs = plan.closed.jaxpr.outvars[len(plan.out_avals) :]
         stashed = [v for v, src in zip(outs, plan.sources) if src[0] == "stash"]
@@ -524,18 +523,17 @@ class ModelFacts:
         from jaxmem.pipeline import layout_axes
 
         tensor = mesh.shape["tensor"]
-        axes = layout_axes(self.model, 1, vocab)
 
         def placed(a, ax, lead):
-            d = ax.dim("tensor")
             spec = [None] * len(a.shape)
-            if d is not None and a.shape[d + lead] % (tensor * ax.unit) == 0:
-                spec[d + lead] = "tensor"
+            d = _tensor_dim(a.shape, ax, lead, tensor)
+            if d is not None:
+                spec[d] = "tensor"
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
 
-        # layout_axes numbers a stage leaf's dimensions after the rank and layer ones; here it has layers only.
-        stage = jax.tree.map(lambda a, ax: placed(a, ax, -1), stage, axes.stages[0])
-        shared = jax.tree.map(lambda a, ax: placed(a, ax, 0), shared, axes.shared)
+        # A stage leaf leads with its layers; the shared leaves as the pipeline holds them (tables out).
+        stage = jax.tree.map(lambda a, ax: placed(a, ax, 1), stage, self.model.split(self.model.axes)[0][0])
+        shared = jax.tree.map(lambda a, ax: placed(a, ax, 0), shared, layout_axes(self.model, 1, vocab).shared)
         return stage, shared
 
     def _flops(self, plan, stage, x, seq, vocab=False) -> tuple[float, float]:
@@ -548,6 +546,14 @@ class ModelFacts:
         flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
         return forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
+
+
+def _tensor_dim(shape, ax, lead: int, tensor: int) -> int | None:
+    """The dimension of a leaf of ``shape`` that ``tensor`` devices cut, by its ParamAxes ``ax``
+    (``lead``: dimensions the leaf has before the model's own); None where the annotation names none,
+    or where the cut would split a unit (kept whole, as the placement keeps it)."""
+    d = ax.dim("tensor")
+    return None if d is None or shape[d + lead] % (tensor * ax.unit) else d + lead
 
 
 def _lower_pullback(plan, stage, shared, x, batch, *, mesh=None):

@@ -197,10 +197,10 @@ def predict(
         # activations (recomputed cut) is modelled as taking 1/tensor of its bytes on each device.
         # A backward gathers its item's whole part.
         part = facts.tensor_cut(variant, seq, tensor)
-        on_mesh = facts.tensor_working(**shape, microbatch=mb, tensor=tensor)
-        if on_mesh is None:
-            on_mesh = stage.working_bytes * (1 - part.full * (1 - 1 / tensor))
-        working = max(working, on_mesh)
+        own = facts.tensor_working(**shape, microbatch=mb, tensor=tensor)
+        if own is None:  # whole-stage compile, its cut part modelled
+            own = stage.working_bytes * (1 - part.full * (1 - 1 / tensor))
+        working = max(working, own)
         item = max(item, stage.stash_bytes("device") * (1 - part.stash))
     # The layout's cache key, compact: the distinct classes with their sizes, and each cell's class index.
     classes = tuple(class_sizes)

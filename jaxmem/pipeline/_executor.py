@@ -620,21 +620,21 @@ class Pipeline:
         the gradients come in the master weights' dtypes. ``rng``: the step's key, required when the
         model draws random numbers (:attr:`~jaxmem.models.StagedModel.rng`), e.g.
         ``jax.random.fold_in(key, step)``."""
-        spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
-        key = _key(spec)
-        if key not in self._grad_fns:
-            self._grad_fns[key] = self._build_grad_fn(spec)
-        return self._grad_fns[key]
+        return self._built(batch, seq, forward=False)
 
     def loss_fn(self, batch, seq: int | None = None):
         """``fn(params, batch, rng=None) -> loss`` (the mean loss over the batch's counted tokens, as
         :meth:`grad_fn`'s) from the schedule's forwards alone (:func:`~jaxmem.schedule.forward_only`):
         no backward, nothing stashed, no gradient accumulators -- what an evaluation runs. Arguments as
         :meth:`grad_fn`'s; not jitted."""
+        return self._built(batch, seq, forward=True)
+
+    def _built(self, batch, seq: int | None, *, forward: bool):
+        """:meth:`grad_fn`'s or :meth:`loss_fn`'s function, built once per batch structure."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
-        key = (_key(spec), "forward")
+        key = (_key(spec), forward)
         if key not in self._grad_fns:
-            self._grad_fns[key] = self._build_grad_fn(spec, forward=True)
+            self._grad_fns[key] = self._build_grad_fn(spec, forward=forward)
         return self._grad_fns[key]
 
     def value_and_grad(self, params: PipelineParams, batch: dict, rng=None):
@@ -936,23 +936,36 @@ class Pipeline:
                 table_grads = jax.lax.cond(mb_index >= 0, add, lambda acc: acc, vocab_grads["table"])
                 return {**vocab_grads, "table": table_grads}
 
+            head_name = None if vocab_split is None else "table" if vocab_split.tied else "head"
+
+            def head_slice(message, mb_index):
+                """At a last-stage F: the last stage's output as every rank has it, its microbatch, where
+                this rank's slice of the vocabulary starts, the loss mask, and the slice's projection
+                ``w, h -> logits``."""
+                (h,) = jax.tree.leaves(from_rank(last_rank, message))
+                micro = read(batch, jnp.maximum(mb_index, 0))
+                offset = pipe_index * vocab[head_name].shape[0]
+                mask = micro.get("loss_mask")
+                mask = jnp.ones(micro["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+
+                def project(w, h):
+                    return _vocab.head_slice(w, h, offset, vocab_size, vocab_split.dtype, vocab_split.softcap)
+
+                return h, micro, offset, mask, project
+
+            def counted(totals, sums, mb_index):
+                """The loss sums added to the totals on the last stage's rank, for a real microbatch."""
+                counts = (pipe_index == last_rank) & (mb_index >= 0)
+                return (totals[0] + jnp.where(counts, sums[0], 0.0), totals[1] + jnp.where(counts, sums[1], 0.0))
+
             def head(vocab_grads, grad_buf, totals, message, row, mb_index):
                 """At a last-stage F, every rank's slice of the logits, the loss, and its gradient: the
                 slice's projection gradient, and dL/dh for the last stage's backward."""
-                name = "table" if vocab_split.tied else "head"
                 (like,) = jax.tree.leaves(x_like)
 
                 def run(acc):
-                    (h,) = jax.tree.leaves(from_rank(last_rank, message))
-                    micro = read(batch, jnp.maximum(mb_index, 0))
-                    offset = pipe_index * vocab[name].shape[0]
-
-                    def project(w, h):
-                        return _vocab.head_slice(w, h, offset, vocab_size, vocab_split.dtype, vocab_split.softcap)
-
-                    logits, pull = jax.vjp(project, vocab[name], h)
-                    mask = micro.get("loss_mask")
-                    mask = jnp.ones(logits.shape[:-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+                    h, micro, offset, mask, project = head_slice(message, mb_index)
+                    logits, pull = jax.vjp(project, vocab[head_name], h)
                     loss, dlogits = _vocab.cross_entropy_parts(logits, micro["targets"], offset, mask, total)
                     d_w, d_h = pull(dlogits * ct_scale)
                     d_h = total(d_h, "sum").astype(like.dtype)
@@ -962,35 +975,23 @@ class Pipeline:
                 def skip(acc):
                     return acc, like, (zero, zero)
 
-                acc, d_h, (loss_sum, weight) = jax.lax.cond(mb_index >= 0, run, skip, vocab_grads[name])
+                acc, d_h, sums = jax.lax.cond(mb_index >= 0, run, skip, vocab_grads[head_name])
                 grad_buf = write(grad_buf, jax.tree.unflatten(jax.tree.structure(x_like), [d_h]), row[col["head_grad"]])
-                counts = (pipe_index == last_rank) & (mb_index >= 0)
-                totals = (
-                    totals[0] + jnp.where(counts, loss_sum, 0.0),
-                    totals[1] + jnp.where(counts, weight, 0.0),
-                )
-                return {**vocab_grads, name: acc}, grad_buf, totals
+                return {**vocab_grads, head_name: acc}, grad_buf, counted(totals, sums, mb_index)
 
             def head_loss(totals, message, mb_index):
                 """At a last-stage F of a forward-only program: the loss from every rank's slice of the
                 logits (no gradient)."""
-                name = "table" if vocab_split.tied else "head"
 
                 def run(_):
-                    (h,) = jax.tree.leaves(from_rank(last_rank, message))
-                    micro = read(batch, jnp.maximum(mb_index, 0))
-                    offset = pipe_index * vocab[name].shape[0]
-                    logits = _vocab.head_slice(
-                        vocab[name], h, offset, vocab_size, vocab_split.dtype, vocab_split.softcap
+                    h, micro, offset, mask, project = head_slice(message, mb_index)
+                    loss, _ = _vocab.cross_entropy_parts(
+                        project(vocab[head_name], h), micro["targets"], offset, mask, total
                     )
-                    mask = micro.get("loss_mask")
-                    mask = jnp.ones(logits.shape[:-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
-                    loss, _ = _vocab.cross_entropy_parts(logits, micro["targets"], offset, mask, total)
                     return _vary(jnp.sum(loss * mask)), _vary(jnp.sum(mask))
 
-                loss_sum, weight = jax.lax.cond(mb_index >= 0, run, lambda _: (zero, zero), None)
-                counts = (pipe_index == last_rank) & (mb_index >= 0)
-                return (totals[0] + jnp.where(counts, loss_sum, 0.0), totals[1] + jnp.where(counts, weight, 0.0))
+                sums = jax.lax.cond(mb_index >= 0, run, lambda _: (zero, zero), None)
+                return counted(totals, sums, mb_index)
 
             def tick_step(carry, rows):
                 row, vocab_row = rows
