@@ -207,9 +207,7 @@ def predict(
     index = {c: i for i, c in enumerate(classes)}
     assignment = tuple(index[cells[key]] for key in sorted(cells))
     sizes = tuple(tuple(sorted(class_sizes[c].items())) for c in classes)
-    stash_dev, stash_host, live, slot_out, act_slots, grad_slots = _stash_layout(
-        schedule, classes, sizes, assignment, vocab
-    )
+    stash_dev, stash_host, live, act_slots, grad_slots = _stash_layout(schedule, classes, sizes, assignment, vocab)
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = tree_bytes({k: v for k, v in facts.batch(batch // replicas, seq).items() if k != "rng"})
     # Beside it, the step's gradient accumulators leave the executor's switch updated while the old
@@ -218,7 +216,7 @@ def predict(
     if vocab:
         # Every rank's slice of the head's logits and their gradient, in the same tick as its stage action.
         working += facts.vocab_transient(mb, seq, schedule.num_ranks)
-    transient = messages + inputs + slot_out + working
+    transient = messages + inputs + working
     # With the stash cut over tensor, a backward gathers its item's whole part (the window counts a share).
     transient += item * (1 - 1 / tensor)
     # FSDP: a running stage holds its gathered weights and their whole gradient before the
@@ -274,7 +272,7 @@ def uses_vocab_split(model, ranks: int, vocab_parallel: bool | None = None) -> b
 @functools.lru_cache(maxsize=4096)
 def _stash_layout(schedule, classes: tuple, sizes: tuple, assignment: tuple, head_grads: bool = False) -> tuple:
     """What the ledger reads from the lowered schedule: (device, host) stash arena bytes, each rank's
-    own stash bytes, the bytes of one window-sized slot out of the switch, and the message slots.
+    own stash bytes, and the message slots.
 
     ``classes[i]`` stashes ``sizes[i]`` (arena, elements) pairs; ``assignment`` gives every
     (stage, microbatch), in sorted order, its class index. Cached by value: a planner prices the same
@@ -288,8 +286,7 @@ def _stash_layout(schedule, classes: tuple, sizes: tuple, assignment: tuple, hea
         schedule, cells, dict(zip(classes, map(dict, sizes))), with_table=False, head_grads=head_grads
     )
     stash_dev, stash_host, live = _arena_bytes(tick)
-    slot_out = sum(w * np.dtype(key[0]).itemsize for key, w in zip(tick.stash_keys, tick.window))
-    return stash_dev, stash_host, tuple(live), slot_out, tick.act_slots, tick.grad_slots
+    return stash_dev, stash_host, tuple(live), tick.act_slots, tick.grad_slots
 
 
 def _arena_bytes(tick) -> tuple[float, float, list[float]]:

@@ -659,7 +659,7 @@ class Pipeline:
         mb = self.check_batch(spec)
         classes, pipe_size, fsdp_size = tick.classes, self.pipe, self.fsdp
         col = {name: i for i, name in enumerate(COLUMNS)}
-        keys, windows = tick.stash_keys, tick.window
+        keys = tick.stash_keys
         stash_cols = [tick.stash_column(ki) for ki in range(len(keys))]
         if tick.table.max(initial=0) >= 2**31 or max(tick.arena_elems, default=0) >= 2**31:
             raise JaxmemError(
@@ -785,29 +785,17 @@ class Pipeline:
                 for c in classes
             ]
 
-            def zeros_window(key, n, c):
-                if c > 1:
-                    return _vary(as_rows(jnp.zeros((c * n,), jnp.dtype(key[0])), c))
-                z = _vary(jnp.zeros((n,), jnp.dtype(key[0])))
-                return jax.device_put(z, jax.memory.Space.Host) if key[1] == "host" else z
-
-            def window_out(key, vec, w: int, cut: int):
-                """A forward's packed vector (None: it stashes nothing here) padded to the arena's
-                window, and its length (in rows when the arena is cut over ``tensor``)."""
-                if vec is None:
-                    return zeros_window(key, w, cut), _vary(jnp.zeros((), jnp.int32))
-                n = vec.shape[-1]  # a cut arena's rows come packed (CutArena.pack)
-                if n < w:
-                    vec = jnp.concatenate([vec, zeros_window(key, w - n, cut)], axis=-1)
-                    if cut > 1:
-                        vec = jax.lax.with_sharding_constraint(vec, P(TENSOR, None))
-                return _vary(vec), _vary(jnp.asarray(n, jnp.int32))
-
-            def no_write():
-                return (
-                    tuple(zeros_window(k, w, c) for k, w, c in zip(keys, windows, cuts)),
-                    tuple(_vary(jnp.zeros((), jnp.int32)) for _ in keys),
-                )
+            def stash(arena, packed, off):
+                """A forward's residuals written in place at their offset, over nothing else: each
+                residual by itself (``[(leaf, value), ...]``), or a cut arena's packed rows. None: the
+                forward stashes nothing in this arena."""
+                if packed is None:
+                    return arena
+                if isinstance(packed, list):  # no concatenated copy: every residual goes straight in
+                    for leaf, value in packed:
+                        arena = jax.lax.dynamic_update_slice_in_dim(arena, jnp.ravel(value), off + leaf.offset, 0)
+                    return arena
+                return jax.lax.dynamic_update_slice_in_dim(arena, packed, off, arena.ndim - 1)
 
             def accumulate(grads, shared_grads, local: int, plan: ResidualPlan, d_params, d_shared):
                 """Add a backward's gradients to the accumulators (cut to this device's fsdp shard)."""
@@ -827,33 +815,29 @@ class Pipeline:
                 )
                 return tuple(grads), shared_grads
 
-            # The arenas enter the switch read-only (so no branch copies them). A forward returns its
-            # packed residuals padded to the arena's window, with their true length; the write happens
-            # outside the switch as a scatter that drops everything past that length, so a smaller
-            # item never clobbers its neighbours and the arena needs no padding.
-            def idle(arenas, offs, grads, shared_grads, totals, x_in, g_in, micro):
-                return (x_like, *no_write(), grads, shared_grads, totals)
-
+            # Each action is a branch ``(state, offs, x_in, g_in, micro) -> state``, the state being
+            # ``(message, arenas, grads, shared_grads, totals)``. A forward writes its residuals into the
+            # arenas and a backward adds to the gradient accumulators, both in place: every branch runs
+            # in a two-way ``lax.cond`` whose other side hands the state back untouched (see tick_step).
             def make_branch(class_index: int, kind: Kind):
                 c, plan = classes[class_index], plans[class_index]
                 rows = stash_rows(plan.stash_elems, self.tensor)
                 arena = cut_arena(c, plan)
 
-                def branch(arenas, offs, grads, shared_grads, totals, x_in, g_in, micro):
+                def branch(state, offs, x_in, g_in, micro):
+                    message, arenas, grads, shared_grads, totals = state
                     params = device_params(c.local)
                     shared_in = shared_for(plan)
                     if kind is Kind.F:
-                        pack = None if arena is None else functools.partial(arena.pack, pin=pin)
+                        pack = (lambda key, parts: parts) if arena is None else functools.partial(arena.pack, pin=pin)
                         out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin, pack=pack)
-                        written = [window_out(key, packed.get(key), w, cut) for key, w, cut in zip(keys, windows, cuts)]
-                        windows_out, lengths = (tuple(x) for x in zip(*written)) if written else ((), ())
+                        arenas = tuple(stash(buf, packed.get(key), off) for key, buf, off in zip(keys, arenas, offs))
                         if c.last and vocab_split is None:
                             loss_sum, weight = out
                             totals = (totals[0] + _vary(loss_sum), totals[1] + _vary(weight))
-                            message = x_like
-                        else:  # a split vocabulary's head takes the last stage's output after the switch
+                        else:  # a split vocabulary's head takes the last stage's output after the ticks' branches
                             message = _vary_tree(out)
-                        return (message, windows_out, lengths, grads, shared_grads, totals)
+                        return (message, arenas, grads, shared_grads, totals)
                     current = {
                         key: jax.lax.dynamic_slice_in_dim(buf, off, rows[key] if cut > 1 else n, axis=buf.ndim - 1)
                         for key, buf, off, cut in zip(keys, arenas, offs, cuts)
@@ -882,14 +866,15 @@ class Pipeline:
                     d_params, d_shared, d_x = pullback(ct)
                     # The first stage's input gradient goes to a split vocabulary's table (after the switch).
                     no_input_grad = (c.first and vocab_split is None) or kind is Kind.W
-                    message = x_like if no_input_grad else _vary_tree(d_x)
+                    if not no_input_grad:
+                        message = _vary_tree(d_x)
                     if kind is not Kind.I:
                         grads, shared_grads = accumulate(grads, shared_grads, c.local, plan, d_params, d_shared)
-                    return (message, *no_write(), grads, shared_grads, totals)
+                    return (message, arenas, grads, shared_grads, totals)
 
                 return branch
 
-            branches = [idle] + [make_branch(ci, kind) for ci, kind in tick.branches]
+            branches = [make_branch(ci, kind) for ci, kind in tick.branches]  # branch 0 is idle
 
             def read(buffers, slot):
                 return jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), buffers)
@@ -1002,16 +987,14 @@ class Pipeline:
                     x_in = embed_rows(x_in, vocab_row[0])
                 g_in = read(grad_buf, row[col["grad_in"]])
                 offs = tuple(row[c] for c in stash_cols)
-                message, windows_out, lengths, grads, shared_grads, totals = jax.lax.switch(
-                    row[col["branch"]], branches, arenas, offs, grads, shared_grads, totals, x_in, g_in, micro
-                )
-                new_arenas = []
-                for arena, values, off, length in zip(arenas, windows_out, offs, lengths):
-                    lanes = jnp.arange(values.shape[-1], dtype=jnp.int32)
-                    index = jnp.where(lanes < length, off + lanes, arena.shape[-1])  # past the end: dropped
-                    at = arena.at[index] if arena.ndim == 1 else arena.at[:, index]
-                    new_arenas.append(at.set(values, mode="drop", indices_are_sorted=True, unique_indices=True))
-                arenas = tuple(new_arenas)
+                # One two-way cond per branch, not one n-way switch: XLA keeps a buffer in place across
+                # a cond whose other side returns it unchanged, where an n-way switch copies every
+                # buffer it passes through (the arenas and accumulators, on every tick). Exactly one
+                # cond runs its branch; on an idle tick none does and the message stays zeros.
+                state = (x_like, arenas, grads, shared_grads, totals)
+                for b, run in enumerate(branches, start=1):
+                    state = jax.lax.cond(row[col["branch"]] == b, run, lambda s, *_: s, state, offs, x_in, g_in, micro)
+                message, arenas, grads, shared_grads, totals = state
                 if vocab_split is not None and forward:
                     totals = head_loss(totals, message, vocab_row[2])
                 elif vocab_split is not None:

@@ -76,7 +76,6 @@ class TickProgram:
         act_slots / grad_slots: live slots of the message buffers (index ``act_slots`` is the trash).
         stash_keys: the arenas, one per ``(dtype, memory space)``.
         class_elems: per class, elements one stage-microbatch stashes in each arena.
-        window: per arena, the widest class (one window-sized value leaves the executor's switch).
         arena_elems: per arena, the length every rank allocates (the largest rank's need).
         rank_arena_elems: per arena and rank, what that rank's own items need.
         stash_live: per class and rank, the peak number of stashed items.
@@ -97,7 +96,6 @@ class TickProgram:
     grad_slots: int
     stash_keys: tuple[tuple[str, str], ...]
     class_elems: tuple[dict, ...]
-    window: tuple[int, ...]
     arena_elems: tuple[int, ...]
     rank_arena_elems: tuple[tuple[int, ...], ...]
     stash_live: tuple[tuple[int, ...], ...]
@@ -283,7 +281,6 @@ def build_tick_program(
         stash_elems = {c: {("float32", "device"): 1} for c in classes}
     class_elems = tuple(dict(stash_elems[c]) for c in classes)
     stash_keys = tuple(sorted({k for elems in class_elems for k, n in elems.items() if n}))
-    window = tuple(max(elems.get(k, 0) for elems in class_elems) for k in stash_keys)
     stash_offset: dict[tuple[int, int, int], int] = {}  # (key index, stage, mb) -> offset
     rank_arena = [[0] * num_ranks for _ in stash_keys]
     arena = []
@@ -329,7 +326,6 @@ def build_tick_program(
         grad_slots=grad_slots,
         stash_keys=stash_keys,
         class_elems=class_elems,
-        window=window,
         arena_elems=tuple(arena),
         rank_arena_elems=tuple(tuple(x) for x in rank_arena),
         stash_live=tuple(tuple(x) for x in stash_live),
