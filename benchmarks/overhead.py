@@ -1,13 +1,17 @@
-"""Pipelined step vs plain jitted step of the same model and batch, and compile time vs microbatches.
+"""Pipelined step vs plain jitted step of the same model and batch, over schedules, microbatch counts
+and policies; compile time vs microbatches; and what one tick of the compiled step writes.
 
-    python benchmarks/overhead.py [--steps 20] [--json]
+    python benchmarks/overhead.py [--steps 10] [--json]          # the grid, record in results/overhead.json
+    python benchmarks/overhead.py --profile [--policy save-all]  # the tick loop of 1F1B P=4 M=8
 
-Measured in one process on virtual CPU devices: the pipelined 1F1B step (P=4, 4 devices) against
-the plain ``jax.jit(value_and_grad + Adam)`` step on the SAME 4 devices (data parallel: the batch
-split over them, parameters replicated, gradients all-reduced) -- the like-for-like ratio -- and, for
-reference, on one device; and the compile time of the pipelined step at M=4 and M=32 (same global
-batch). CPU timings say nothing about a GPU cluster's throughput; they show the executor's overhead
-and that compile time does not grow with M.
+Measured in one process on virtual CPU devices (P=4 on 4 devices): every pipelined step against the
+plain ``jax.jit(value_and_grad + Adam)`` step on the SAME 4 devices (data parallel: the batch split
+over them, parameters replicated, gradients all-reduced) -- the like-for-like ratio -- with the
+schedule's bubble ideal beside it (the simulator's makespan over a rank's busy time, unit costs);
+and the compile time of the pipelined step at M=4 and M=32 (same global batch). CPU timings say
+nothing about a GPU cluster's throughput; they show the executor's overhead and that compile time
+does not grow with M. ``--profile`` prints :func:`jaxmem.pipeline.tick_traffic` of one compiled step:
+the loop-carried buffers the tick loop copies or scatters into, and its writes by opcode.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import optax  # noqa: E402
 from jaxmem.config import TrainConfig  # noqa: E402
 from jaxmem.data import DataIterator  # noqa: E402
 from jaxmem.models import get_model  # noqa: E402
+from jaxmem.pipeline import tick_traffic  # noqa: E402
+from jaxmem.schedule import generate, simulate  # noqa: E402
 from jaxmem.train import Trainer  # noqa: E402
 
 
@@ -46,7 +52,7 @@ def plain_step_seconds(config_name, batch, seq, steps, seed=0, devices=1):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    model = get_model(config_name)
+    model = get_model(config_name, n_layers=LAYERS)
     optimizer = optax.adam(3e-3)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))  # auto sharding, as the pipeline's
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -74,9 +80,11 @@ def plain_step_seconds(config_name, batch, seq, steps, seed=0, devices=1):
     return seconds, compile_seconds
 
 
-def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4):
+def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy="selective", model="tiny"):
     trainer = Trainer(
         TrainConfig(
+            model=model,
+            policy=policy,
             schedule=schedule,
             stages=stages,
             microbatches=microbatches,
@@ -91,6 +99,8 @@ def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4):
     compile_seconds = time.perf_counter() - start
     if steps == 0:
         return None, compile_seconds
+    if steps < 0:  # the compiled step itself
+        return compiled, compile_seconds
     batches = [state.data.batch_at(i * batch) for i in range(4)]
 
     def run(s, b):
@@ -102,54 +112,88 @@ def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4):
     return seconds, compile_seconds
 
 
+# Eight layers: one per stage at P=4 with two stages per rank (interleaved, V-shape).
+LAYERS = 8
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "chronos")
+POLICIES = ("save-all", "selective", "recompute-all")
+
+
+def bubble_ideal(schedule: str, pipe: int, microbatches: int) -> float:
+    """The schedule's step time over its busy time on the busiest rank, unit costs (F=I=W=1)."""
+    result = simulate(generate(schedule, pipe, microbatches))
+    return result.makespan / max(result.busy)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (median reported)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: all four)")
+    parser.add_argument("--microbatches", default="8,32", help="comma-separated M values")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
+    parser.add_argument("--profile", action="store_true", help="print the tick loop of one compiled step and exit")
+    parser.add_argument("--policy", default="save-all", help="the policy --profile compiles (1F1B, P=4, M=8)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    B, T = args.batch_size, args.seq_len
+    B, T, model = args.batch_size, args.seq_len, get_model("tiny", n_layers=LAYERS)
 
-    plain_s, plain_compile = plain_step_seconds("tiny", B, T, args.steps)
+    if args.profile:
+        compiled, _ = pipelined(8, B, T, -1, policy=args.policy, model=model)
+        traffic = tick_traffic(compiled)
+        print(f"1F1B P=4 M=8 {args.policy}, tiny GPT ({LAYERS} layers), batch {B} x {T}:")
+        print(traffic.summary())
+        return traffic
+
     plain4_s, plain4_compile = plain_step_seconds("tiny", B, T, args.steps, devices=4)
-    pipe_s, compile_m8 = pipelined(8, B, T, args.steps)
-    _, compile_m4 = pipelined(4, B, T, 0)
-    _, compile_m32 = pipelined(32, B, T, 0)
+    print(f"plain jit, data parallel over 4 devices: {plain4_s:.4f} s/step", file=sys.stderr, flush=True)
+    rows = []
+    for schedule in args.schedules.split(","):
+        for m in [int(x) for x in args.microbatches.split(",")]:
+            ideal = bubble_ideal(schedule, 4, m)
+            for policy in args.policies.split(","):
+                seconds, compile_s = pipelined(m, B, T, args.steps, schedule=schedule, policy=policy, model=model)
+                ratio = seconds / plain4_s
+                rows.append(
+                    {
+                        "schedule": schedule,
+                        "microbatches": m,
+                        "policy": policy,
+                        "step_seconds": seconds,
+                        "compile_seconds": compile_s,
+                        "over_plain": ratio,
+                        "bubble_ideal": ideal,
+                        "over_ideal": ratio / ideal,
+                    }
+                )
+                print(
+                    f"{schedule:17s} M={m:<3d} {policy:14s} {seconds:7.4f} s  {ratio:5.2f}x plain  "
+                    f"ideal {ideal:5.3f}  {ratio / ideal:5.2f}x ideal",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    _, compile_m4 = pipelined(4, B, T, 0, model=model)
+    _, compile_m32 = pipelined(32, B, T, 0, model=model)
     record = {
         "benchmark": "overhead",
-        "model": "tiny",
+        "command": "python benchmarks/overhead.py --json",
+        "model": f"tiny, {LAYERS} layers",
         "batch_size": B,
         "seq_len": T,
+        "pipe": 4,
         "platform": jax.devices()[0].platform,
         "cpu_count": os.cpu_count(),
-        "plain_step_seconds": plain_s,
         "plain_data_parallel_4_step_seconds": plain4_s,
-        "pipelined_step_seconds": pipe_s,
-        "pipelined_schedule": "1f1b P=4 M=8",
-        "pipelined_over_plain_step_ratio": pipe_s / plain4_s,
-        "pipelined_over_plain_step_ratio_note": "same 4 devices: plain step data parallel over them",
-        "pipelined_over_plain_1_device_ratio": pipe_s / plain_s,
-        "plain_compile_seconds": plain_compile,
         "plain_data_parallel_4_compile_seconds": plain4_compile,
+        "grid": rows,
         "compile_seconds_m4": compile_m4,
-        "compile_seconds_m8": compile_m8,
         "compile_seconds_m32": compile_m32,
         "compile_ratio_m32_over_m4": compile_m32 / compile_m4,
     }
     if args.json:
         print(json.dumps(record, indent=2))
     else:
-        print(f"{'variant':38s} {'step s':>10s} {'compile s':>10s}")
-        print(f"{'plain jit (1 device)':38s} {plain_s:10.4f} {plain_compile:10.2f}")
-        print(f"{'plain jit, data parallel (4 devices)':38s} {plain4_s:10.4f} {plain4_compile:10.2f}")
-        print(f"{'pipelined 1f1b P=4 M=8 (4 devices)':38s} {pipe_s:10.4f} {compile_m8:10.2f}")
-        print(f"{'pipelined 1f1b P=4 M=4 (compile only)':38s} {'':>10s} {compile_m4:10.2f}")
-        print(f"{'pipelined 1f1b P=4 M=32 (compile only)':38s} {'':>10s} {compile_m32:10.2f}")
-        print(
-            f"pipelined / plain step time, both on 4 devices: {record['pipelined_over_plain_step_ratio']:.2f}x; "
-            f"compile M=32 / M=4: {record['compile_ratio_m32_over_m4']:.2f}x"
-        )
+        print(f"compile M=32 / M=4 (1F1B, selective): {record['compile_ratio_m32_over_m4']:.2f}x")
     return record
 
 

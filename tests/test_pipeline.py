@@ -11,10 +11,13 @@ import pytest
 from jaxmem import JaxmemError
 from jaxmem.config import TrainConfig
 from jaxmem.models import get_model, make_batch
-from jaxmem.pipeline import Pipeline, build_tick_program, make_mesh
+from jaxmem.pipeline import Pipeline, build_tick_program, make_mesh, tick_traffic
 from jaxmem.schedule import generate, load_csv
 from jaxmem.train import Trainer
 from jaxmem.verify import ATOL, RTOL, plain_value_and_grad, verification_model, verify
+
+# What only names, passes or regroups a buffer in XLA's text (no bytes written).
+PASSING = {"parameter", "get-tuple-element", "tuple", "bitcast", "conditional"}
 
 CASES = [
     # (schedule, P, M, V, data-parallel)
@@ -95,6 +98,30 @@ def test_second_step_compiles_nothing(small_trainer, caplog):
     compiles = [r for r in caplog.records if "Compiling" in r.getMessage()]
     assert compiles == [], [r.getMessage() for r in compiles]
     assert state.step == 2
+
+
+@pytest.mark.parametrize("vocab_split", [True, False], ids=["vocab-split", "whole-vocab"])
+def test_the_tick_loop_writes_residuals_in_place_and_copies_no_carried_buffer(vocab_split):
+    """Each tick writes its forward's residuals into the stash arena in place, one residual at a time,
+    and neither the arena nor a gradient accumulator is copied or scattered into on any tick. (Before,
+    the actions were one n-way switch: every branch copied every accumulator, and the stash was written
+    by a scatter of a zero-padded window that walked the whole window's indices on every tick.)"""
+    config = TrainConfig(
+        stages=2, microbatches=4, batch_size=8, seq_len=16, steps=1, policy="save-all", vocab_split=vocab_split
+    )
+    trainer = Trainer(config)
+    traffic = tick_traffic(trainer.compiled(trainer.init_state()))
+    tick, plans = trainer.pipeline.program(trainer.batch_spec())
+    assert traffic.ticks == tick.table.shape[1]
+    assert tick.stash_keys == (("float32", "device"),)
+    arena = f"f32[{tick.arena_elems[0]}]"
+    moves = traffic.whole_buffer_moves()
+    assert [i for i in moves if i.opcode == "copy"] == [], [i.shape for i in moves]
+    assert [i for i in moves if arena in i.shape] == []
+    # One in-place write per stashed residual of each class's forward, and no write of the arena otherwise.
+    writes = [i for i in traffic.in_place() if arena in i.shape]
+    assert len(writes) == sum(len(plan.stashed_leaves()) for plan in plans.values())
+    assert [i for i in traffic.instructions if arena in i.shape and i.opcode not in PASSING] == writes
 
 
 def test_training_lowers_the_loss(small_trainer):

@@ -32,6 +32,8 @@ from jaxmem.pipeline._ticks import build_tick_program as build_tick_program
 from jaxmem.pipeline._ticks import cell_classes as cell_classes
 from jaxmem.pipeline._ticks import stash_cut as stash_cut
 from jaxmem.pipeline._ticks import stash_rows as stash_rows
+from jaxmem.pipeline._traffic import TickTraffic as TickTraffic
+from jaxmem.pipeline._traffic import tick_traffic as tick_traffic
 from jaxmem.pipeline._vocab import join_vocab as join_vocab
 from jaxmem.pipeline._vocab import split_vocab as split_vocab
 from jaxmem.pipeline._vocab import vocab_rows as vocab_rows

@@ -875,6 +875,7 @@ class Pipeline:
                 return branch
 
             branches = [make_branch(ci, kind) for ci, kind in tick.branches]  # branch 0 is idle
+            forwards_first = sorted(range(1, len(branches) + 1), key=lambda b: tick.branches[b - 1][1] is not Kind.F)
 
             def read(buffers, slot):
                 return jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), buffers)
@@ -989,11 +990,16 @@ class Pipeline:
                 offs = tuple(row[c] for c in stash_cols)
                 # One two-way cond per branch, not one n-way switch: XLA keeps a buffer in place across
                 # a cond whose other side returns it unchanged, where an n-way switch copies every
-                # buffer it passes through (the arenas and accumulators, on every tick). Exactly one
-                # cond runs its branch; on an idle tick none does and the message stays zeros.
+                # buffer it passes through (the arenas and accumulators, on every tick). The forwards
+                # come first: a backward that read an arena before a later forward's cond wrote it
+                # would make XLA copy the arena for that write (measured: a copy per tick without
+                # this order). Exactly one cond runs its branch; on an idle tick none does and the
+                # message stays zeros.
                 state = (x_like, arenas, grads, shared_grads, totals)
-                for b, run in enumerate(branches, start=1):
-                    state = jax.lax.cond(row[col["branch"]] == b, run, lambda s, *_: s, state, offs, x_in, g_in, micro)
+                for b in forwards_first:
+                    state = jax.lax.cond(
+                        row[col["branch"]] == b, branches[b - 1], lambda s, *_: s, state, offs, x_in, g_in, micro
+                    )
                 message, arenas, grads, shared_grads, totals = state
                 if vocab_split is not None and forward:
                     totals = head_loss(totals, message, vocab_row[2])
