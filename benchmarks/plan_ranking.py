@@ -10,17 +10,17 @@ When the virtual devices share fewer CPU cores, ``jaxmem.memory.estimate`` (and 
 
 with ``ticks``, ``even`` and ``excess`` from ``jaxmem.memory.shared_core_terms`` (the lockstep
 schedule and the actions' costs at the machine's calibrated ``rate``). An action's cost is its FLOPs
-plus, for the residuals it stashes (F) or reads back (B), ``stash_flops_per_byte`` per byte: on
-XLA:CPU a saved residual costs more than its FLOPs -- measured here, recomputing everything is faster
-than saving everything on the tiny model --, so a model of FLOPs alone ranks the memory policies
-backwards. This script measures the jitted training step of the tiny GPT (batch 32 x 64; median of
-``--steps`` steps after two warm-up steps, the best of ``--rounds`` interleaved rounds) on the FIT
-configurations (schedules, meshes, microbatch counts and policies), fits the four constants (for each
-stash price on a log grid, non-negative least squares of the relative error of the other three; the
-best price wins), and reports the prediction error and Spearman rank correlation on the HOLDOUT
-configurations, with the fitted constants and with the ones the package ships
-(``jaxmem.memory.CPU_LOCKSTEP``). ``--measured RECORD`` re-fits an earlier record's measurements
-without measuring. Timings on this machine drift by up to a third between runs.
+plus, for the residuals it stashes (F) or reads back (B), ``stash_flops_per_byte`` per byte (a write
+to the stash and a read back; about 6 FLOPs a byte on the executor that writes residuals in place,
+79 when the stash path still copied). This script measures the jitted training step of the tiny GPT
+(batch 32 x 64; median of ``--steps`` steps after two warm-up steps, the best of ``--rounds``
+interleaved rounds) on the FIT configurations (schedules, meshes, microbatch counts and policies),
+fits the four constants (for each stash price on a log grid, non-negative least squares of the
+relative error of the other three; the best price wins), and reports the prediction error and
+Spearman rank correlation on the HOLDOUT configurations, with the fitted constants and with the ones
+the package ships (``jaxmem.memory.CPU_LOCKSTEP``). ``--measured RECORD`` re-fits an earlier
+record's measurements without measuring. Timings on this machine drift by up to a third between
+runs.
 """
 
 from __future__ import annotations
@@ -239,8 +239,8 @@ def main(argv=None):
     fit_rows = [r for r in rows.values() if r["group"] == "fit"]
     hold_rows = [r for r in rows.values() if r["group"] == "holdout"]
     fitted = fit(fit_rows, hardware)
-    shipped = dataclasses.astuple(cost.CPU_LOCKSTEP)
     names = ("step_flops", "tick_flops", "imbalance", "stash_flops_per_byte")
+    shipped = tuple(getattr(cost.CPU_LOCKSTEP, name) for name in names)
     record = {
         "benchmark": "plan_ranking",
         "model": "tiny",

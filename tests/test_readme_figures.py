@@ -62,3 +62,22 @@ def test_the_sharded_state_figures_match_their_record():
     )
     for text in said:
         assert text in README, text
+
+
+def test_the_overhead_table_matches_its_record():
+    record = _record("overhead.json")
+    names = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved-1F1B", "zbv": "ZBV", "chronos": "Chronos"}
+    policies = ("save-all", "selective", "recompute-all")
+    before = {(r["schedule"], r["microbatches"], r["policy"]): r for r in record["before"]["grid"]}
+    rows = {}
+    for r in record["grid"]:
+        rows.setdefault((r["schedule"], r["microbatches"]), {})[r["policy"]] = r
+    assert len(rows) == 8
+    for (schedule, m), by in rows.items():
+        said = f"| {names[schedule]} | {m} | {by['save-all']['bubble_ideal']:.3f} | "
+        said += " | ".join(f"{by[p]['over_plain']:.2f}x" for p in policies) + " |"
+        if (schedule, m, "save-all") in before:
+            said += " " + " / ".join(f"{before[(schedule, m, p)]['over_plain']:.2f}x" for p in policies) + " |"
+        assert said in README, said
+    assert f"in the same run ({record['plain_data_parallel_4_step_seconds']:.3f} s/step)" in README
+    assert f"at M=32 takes {record['compile_ratio_m32_over_m4']:.2f}x the time at M=4" in README

@@ -14,8 +14,8 @@ action over that even share (an idle device's core only partly helps a busy one)
 (the rank's switch dispatch and the activation/gradient exchange) of ``tick_flops``
 FLOP-equivalents; a step adds ``step_flops`` (the update, dispatch and host round trip)
 (:func:`shared_core_step_seconds`); each byte an F stashes for its B costs ``stash_flops_per_byte``
-more, half in each (on XLA:CPU saving residuals costs more than their FLOPs: without this term the
-model ranked recompute-all slower than save-all, which it is not here). The constants
+more, half in each (a residual is written to the stash and read back; refitted at about 6 FLOPs a
+byte once the executor wrote residuals in place -- 79 before, when the stash path copied). The constants
 (:class:`Lockstep`) depend on how the devices are spread over processes, so there are two sets, both
 fitted on the 2-core development machine: ``CPU_LOCKSTEP`` for one process with virtual devices
 (``jaxmem train``), fitted by ``benchmarks/plan_ranking.py`` on eleven configurations (schedules,
@@ -54,9 +54,10 @@ class Lockstep:
     oversubscription: float = 0.0
 
 
-# Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json): a stashed byte costs
-# about 79 FLOPs here -- on XLA:CPU saving every residual is slower than recomputing it.
-CPU_LOCKSTEP = Lockstep(step_flops=1.1e8, tick_flops=4.5e7, imbalance=0.77, stash_flops_per_byte=79.0)
+# Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json) on the executor that
+# writes residuals in place: a stashed byte costs about 6 FLOPs here (79 before, when every tick
+# scattered a zero-padded window and copied the gradient accumulators).
+CPU_LOCKSTEP = Lockstep(step_flops=0.0, tick_flops=4.1e7, imbalance=0.72, stash_flops_per_byte=6.3)
 # Fitted by benchmarks/elastic_fit.py (benchmarks/results/elastic_fit.json): one process per rank,
 # gloo exchanges -- each tick costs about 14 ms here.
 CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=3.2e8, tick_flops=2.9e8, imbalance=0.024, oversubscription=0.2)

@@ -210,7 +210,7 @@ def predict(
     stash_dev, stash_host, live, act_slots, grad_slots = _stash_layout(schedule, classes, sizes, assignment, vocab)
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = tree_bytes({k: v for k, v in facts.batch(batch // replicas, seq).items() if k != "rng"})
-    # Beside it, the step's gradient accumulators leave the executor's switch updated while the old
+    # Beside it, the step's gradient accumulators leave the executor's cond updated while the old
     # ones are still live.
     working += grads.device
     if vocab:

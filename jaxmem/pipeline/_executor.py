@@ -2,10 +2,12 @@
 program.
 
 Inside ``shard_map`` over a ``("data", "pipe")`` mesh, a ``lax.scan`` walks the schedule's ticks. Each
-tick, every rank looks up its row of the tick table and runs one branch of a ``lax.switch``: idle, or
-F / B / I / W of one stage class (role, layer count, memory-policy variant, local stage). A forward
-keeps its ``jax.vjp`` residuals in a stash slot (on host when the policy says so); a backward rebuilds
-the pullback from that slot. Every tick each rank sends one message per ppermute offset (activations
+tick, every rank looks up its row of the tick table and runs its action -- idle, or F / B / I / W of
+one stage class (role, layer count, memory-policy variant, local stage) -- as the one of a row of
+two-way ``lax.cond``s whose predicate holds (the state passes the others untouched, so XLA updates the
+stash and the gradient accumulators in place). A forward writes its ``jax.vjp`` residuals into its
+slot of a stash arena (on host when the policy says so); a backward rebuilds the pullback from that
+slot. Every tick each rank sends one message per ppermute offset (activations
 forward, gradients backward); a message is whatever pytree the model's layers pass on, with shapes
 and dtypes from ``jax.eval_shape`` of its embedding. The last stage adds up ``(loss_sum, weight)``;
 gradients accumulate in the parameters' dtype, are summed over ``data`` (and the shared ones over
@@ -110,7 +112,7 @@ def varying_axes(x) -> frozenset:
 
 
 def _vary(x: jax.Array) -> jax.Array:
-    """Mark ``x`` as varying over every mesh axis (no data movement), so switch branches agree and no
+    """Mark ``x`` as varying over every mesh axis (no data movement), so cond branches agree and no
     autodiff transpose inserts a collective inside a branch."""
     missing = tuple(a for a in AXES if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
@@ -864,7 +866,7 @@ class Pipeline:
                             ]
                         )
                     d_params, d_shared, d_x = pullback(ct)
-                    # The first stage's input gradient goes to a split vocabulary's table (after the switch).
+                    # The first stage's input gradient goes to a split vocabulary's table (after the conds).
                     no_input_grad = (c.first and vocab_split is None) or kind is Kind.W
                     if not no_input_grad:
                         message = _vary_tree(d_x)

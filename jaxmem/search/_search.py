@@ -408,6 +408,11 @@ def candidate_schedules(
     return out
 
 
+def _offloads(name: str) -> bool:
+    """Whether a policy name moves anything to host memory."""
+    return "offload" in name or any("offload" in move for move in CHRONOS_MOVES.get(name, ()))
+
+
 def search(
     model,
     *,
@@ -460,6 +465,8 @@ def search(
             progress(i, len(pairs), schedule)
         seen = {}
         names = list(policies)
+        if hw.cores:  # host memory is the device's memory on a CPU: moving state there saves none of it
+            names = [n for n in names if not _offloads(n)]
         if fsdp_size > 1:  # FSDP: each preset also with its stages' weights kept gathered F->B
             names += [f"{n}{KEEP_GATHERED}" for n in policies if n in PRESETS]
         for name in names:
