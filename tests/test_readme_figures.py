@@ -81,3 +81,11 @@ def test_the_overhead_table_matches_its_record():
         assert said in README, said
     assert f"in the same run ({record['plain_data_parallel_4_step_seconds']:.3f} s/step)" in README
     assert f"at M=32 takes {record['compile_ratio_m32_over_m4']:.2f}x the time at M=4" in README
+
+
+def test_the_stash_write_table_matches_its_record():
+    record = _record("stash_write.json")
+    assert f"| scatter, as before | {record['scatter']['milliseconds']:.1f} ms |" in README
+    assert f"two-way `cond` | {record['cond']['milliseconds']:.1f} ms |" in README
+    copies = record["switch"]["arena_copies"] - 1  # the one outside the loop initialises the carry
+    assert f"three-way `switch` | {record['switch']['milliseconds']:.1f} ms ({copies} copies of the arena" in README

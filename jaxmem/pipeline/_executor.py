@@ -795,7 +795,8 @@ class Pipeline:
                     return arena
                 if isinstance(packed, list):  # no concatenated copy: every residual goes straight in
                     for leaf, value in packed:
-                        arena = jax.lax.dynamic_update_slice_in_dim(arena, jnp.ravel(value), off + leaf.offset, 0)
+                        value = jnp.ravel(value if pin is None else pin(value))
+                        arena = jax.lax.dynamic_update_slice_in_dim(arena, value, off + leaf.offset, 0)
                     return arena
                 return jax.lax.dynamic_update_slice_in_dim(arena, packed, off, arena.ndim - 1)
 
