@@ -11,7 +11,7 @@ makespan: the executor runs ticks in lockstep (one action per rank per tick, res
 between ticks) and the ranks take turns on the cores. A tick costs
 its busy ranks' work spread over the cores, plus a part (``imbalance``) of the excess of its longest
 action over that even share (an idle device's core only partly helps a busy one), plus a fixed cost
-(the rank's switch dispatch and the activation/gradient exchange) of ``tick_flops``
+(the rank's dispatch of its action and the activation/gradient exchange) of ``tick_flops``
 FLOP-equivalents; a step adds ``step_flops`` (the update, dispatch and host round trip)
 (:func:`shared_core_step_seconds`); each byte an F stashes for its B costs ``stash_flops_per_byte``
 more, half in each (a residual is written to the stash and read back; refitted at about 6 FLOPs a

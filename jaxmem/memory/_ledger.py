@@ -217,7 +217,7 @@ def predict(
         # Every rank's slice of the head's logits and their gradient, in the same tick as its stage action.
         working += facts.vocab_transient(mb, seq, schedule.num_ranks)
     transient = messages + inputs + working
-    # With the stash cut over tensor, a backward gathers its item's whole part (the window counts a share).
+    # With the stash cut over tensor, a backward gathers its item's whole part (its slot holds a share).
     transient += item * (1 - 1 / tensor)
     # FSDP: a running stage holds its gathered weights and their whole gradient before the
     # reduce-scatter (and the embedding's / head's when it is the first or last).

@@ -82,6 +82,11 @@ class TickTraffic:
         """Dynamic-update-slices into a loop-carried buffer (they write only their update)."""
         return [ins for ins in self.instructions if ins.opcode.endswith("dynamic-update-slice")]
 
+    def writing(self, shape: str) -> list[Instruction]:
+        """The instructions whose output is typed ``shape`` (e.g. ``"f32[4096]"``) and that write it,
+        in place or not (those that only name, pass or regroup it left out)."""
+        return [ins for ins in self.instructions if shape in ins.shape and ins.opcode not in _PASSING]
+
     def written_by_opcode(self) -> dict[str, tuple[int, int]]:
         """``opcode -> (count, output bytes)`` of the instructions that write (in-place updates and
         instructions that only pass buffers left out)."""

@@ -408,11 +408,6 @@ def candidate_schedules(
     return out
 
 
-def _offloads(name: str) -> bool:
-    """Whether a policy name moves anything to host memory."""
-    return "offload" in name or any("offload" in move for move in CHRONOS_MOVES.get(name, ()))
-
-
 def search(
     model,
     *,
@@ -465,8 +460,6 @@ def search(
             progress(i, len(pairs), schedule)
         seen = {}
         names = list(policies)
-        if hw.cores:  # host memory is the device's memory on a CPU: moving state there saves none of it
-            names = [n for n in names if not _offloads(n)]
         if fsdp_size > 1:  # FSDP: each preset also with its stages' weights kept gathered F->B
             names += [f"{n}{KEEP_GATHERED}" for n in policies if n in PRESETS]
         for name in names:
@@ -484,6 +477,8 @@ def search(
                 vocab_parallel=vocab_parallel,
                 hardware=hw,
             )
+            if hw.cores and cand.host_bytes:  # on a CPU the host memory is the device's: offloads save none of it
+                continue
             # A generated policy that changed nothing is the preset it started from: keep one of them.
             key = (round(cand.device_bytes), round(cand.step_seconds, 12), round(cand.host_bytes))
             if key in seen:
