@@ -49,6 +49,11 @@ class TrainConfig:
             ``llama-1b``, ``llama-8b``, ``llama-70b``), a GPTConfig / LlamaConfig, any
             :class:`~jaxmem.models.StagedModel` (e.g. from :func:`~jaxmem.models.from_nnx`), or
             ``"package.module:attr"`` naming one or a function returning one.
+        init_from: a local Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory (as
+            ``jaxmem export --format hf`` writes and ``transformers`` saves): the model is built from
+            its ``config.json`` and starts from its weights; its ``tokenizer.json`` tokenizes the data
+            unless ``tokenizer`` names another. Used when a run starts; a resumed run continues from
+            its checkpoint.
         dtype: compute dtype of a preset or config model (``bfloat16`` for mixed precision); None
             keeps the model's.
         param_dtype: dtype of its parameters, gradients and optimizer state (``float32`` master
@@ -130,6 +135,7 @@ class TrainConfig:
     """
 
     model: object = "tiny"
+    init_from: str | None = None
     dtype: str | None = None
     param_dtype: str | None = None
     attention: str | None = None
@@ -232,6 +238,8 @@ class TrainConfig:
             )
         if generated and self.adaptive:
             raise JaxmemError(f"--adaptive picks the policy itself; drop --policy {self.policy} (or --adaptive)")
+        if self.init_from is not None:
+            self._check_init_from()
         if self.data == "synthetic" and self.tokenizer != "byte":
             raise JaxmemError("--tokenizer applies to text data; synthetic data draws token ids directly")
         if self.plan not in (None, "auto"):
@@ -284,6 +292,32 @@ class TrainConfig:
         if self.plan != "auto":
             self.build_schedule()  # checked here; built again where used (generating one is cheap)
 
+    def _check_init_from(self) -> None:
+        import json
+        import os
+
+        path = os.path.join(self.init_from, "config.json")
+        if not os.path.isfile(path):
+            raise JaxmemError(
+                f"--init-from {self.init_from}: no config.json there; give a Hugging Face model directory "
+                "(what jaxmem export --format hf writes, or save_pretrained saves)"
+            )
+        if self.model != "tiny":
+            raise JaxmemError(f"--init-from builds the model from {path}; drop --model {self.model}")
+        if self.vocab_size is not None:
+            raise JaxmemError(f"--init-from takes the vocabulary from {path}; drop --vocab-size")
+        if self.plan or self.adaptive:
+            raise JaxmemError("--init-from starts a plain run; it does not combine with --plan auto or --adaptive yet")
+        tokenizer_file = os.path.join(self.init_from, "tokenizer.json")
+        if self.tokenizer == "byte" and self.data != "synthetic" and os.path.isfile(tokenizer_file):
+            # The model's own tokenizer, unless another was named: byte ids would mean other tokens.
+            object.__setattr__(self, "tokenizer", tokenizer_file)
+        try:
+            with open(path) as f:
+                json.load(f)
+        except ValueError as e:
+            raise JaxmemError(f"--init-from: {path} is not JSON ({e})") from None
+
     @property
     def vocab_parallel(self) -> bool | None:
         """``Pipeline(vocab_parallel=...)`` for ``vocab_split``: None (split where the model declares its
@@ -320,10 +354,24 @@ class TrainConfig:
             )
             if v is not None
         }
-        model = get_model(self.model, **overrides)
+        if self.init_from is not None:
+            from jaxmem.models.hf import config_from_hf
+
+            overrides.pop("vocab_size", None)
+            config = config_from_hf(self._init_from_config(), where=f"--init-from {self.init_from}", **overrides)
+            model = get_model(config)
+        else:
+            model = get_model(self.model, **overrides)
         if model.max_seq_len is not None and self.seq_len > model.max_seq_len:
             raise JaxmemError(f"--seq-len {self.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}")
         return model
+
+    def _init_from_config(self) -> dict:
+        import json
+        import os
+
+        with open(os.path.join(self.init_from, "config.json")) as f:
+            return json.load(f)
 
     def build_policy(self, model=None, schedule=None, *, budget: float | None = None):
         """The run's :class:`~jaxmem.policy.Policy` (None: save-all). A generated one
@@ -395,6 +443,13 @@ def add_arguments(p) -> None:
         help="model preset: tiny (default), gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b, "
         "llama-70b; or your own as package.module:attr, a StagedModel or a function returning one "
         "(e.g. from jaxmem.models.from_nnx), imported from the current directory or PYTHONPATH",
+    )
+    g.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from a local Hugging Face GPT-2 or Llama directory (config.json, model.safetensors, "
+        "tokenizer.json; as jaxmem export --format hf or save_pretrained write them): the model and, unless "
+        "--tokenizer is given, the tokenizer come from it",
     )
     g.add_argument("--dtype", help="compute dtype, e.g. bfloat16 (mixed precision; default: the model's, float32)")
     g.add_argument("--param-dtype", help="parameter / gradient / optimizer-state dtype (default float32)")

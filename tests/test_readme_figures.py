@@ -89,3 +89,18 @@ def test_the_stash_write_table_matches_its_record():
     assert f"two-way `cond` | {record['cond']['milliseconds']:.1f} ms |" in README
     copies = record["switch"]["arena_copies"] - 1  # the one outside the loop initialises the carry
     assert f"three-way `switch` | {record['switch']['milliseconds']:.1f} ms ({copies} copies of the arena" in README
+
+
+def test_the_hf_parity_table_matches_its_record():
+    models = _record("hf_parity.json")["models"]
+    for label, key in (
+        ("| gpt2-small shape (124M) | GPT2LMHeadModel |", "gpt2-small"),
+        ("| tiny GPT, untied head | GPT2LMHeadModel |", "gpt tiny"),
+        ("| Llama, 4 layers, d=512, GQA 8/2 | LlamaForCausalLM |", "llama 4 layers"),
+        ("| tiny Llama, tied head | LlamaForCausalLM |", "llama tiny"),
+        ("| Llama, 2 layers, d=256, Llama 3.1 RoPE scaling | LlamaForCausalLM |", "llama 2 layers"),
+    ):
+        (row,) = [r for name, r in models.items() if name.startswith(key)]
+        assert row["load_hf_bit_exact"] and row["max_abs_diff"] < 1e-4
+        said = f"{label} {row['max_abs_diff']:.1e} | {row['max_abs_logit']:.2f} |"
+        assert said in README, said

@@ -14,17 +14,26 @@ from jaxmem.cli._common import (
 )
 
 _EXPORT_EPILOG = """\
-Writes OUT/model.safetensors (every parameter in the model's own layout and dtype, named by its path,
-e.g. blocks.0.qkv.kernel), OUT/config.json (model family and config, step, tokenizer) and, for a BPE
-run, OUT/tokenizer.json. Load it back in Python:
+--format jaxmem (default) writes OUT/model.safetensors (every parameter in the model's own layout and
+dtype, named by its path, e.g. blocks.0.qkv.kernel), OUT/config.json (model family and config, step,
+tokenizer) and, for a BPE run, OUT/tokenizer.json. Load it back in Python:
 
   from jaxmem.train import load_exported
   exported = load_exported("OUT")        # .model, .params, .tokenizer
   nnx.update(module, nnx.State(exported.params))   # into a Flax NNX module of the same model
 
+--format hf (the built-in GPT and Llama) writes what Hugging Face transformers loads as
+GPT2LMHeadModel / LlamaForCausalLM: its config.json, model.safetensors in its names and layouts,
+tokenizer.json and tokenizer_config.json (a byte-level run gets a byte-level tokenizer whose ids are
+the bytes):
+
+  AutoModelForCausalLM.from_pretrained("OUT"); AutoTokenizer.from_pretrained("OUT")
+  jaxmem train --init-from OUT ...       # fine-tune it again (or any such local directory)
+
 examples:
   jaxmem export runs/ckpt -o exported
-  jaxmem export runs/ckpt --step 200 -o exported-200"""
+  jaxmem export runs/ckpt --step 200 -o exported-200
+  jaxmem export runs/ckpt --format hf -o hf-model"""
 
 _SAMPLE_EPILOG = """\
 PATH is an export directory (jaxmem export) or a checkpoint directory (its latest step, or --step).
@@ -47,6 +56,12 @@ def add_parser(sub) -> None:
     p.add_argument("checkpoint", help="a --checkpoint-dir of jaxmem train")
     p.add_argument("-o", "--out", required=True, help="output directory (created if missing)")
     p.add_argument("--step", type=non_negative_int, help="which step (default: the latest)")
+    p.add_argument(
+        "--format",
+        choices=["jaxmem", "hf"],
+        default="jaxmem",
+        help="jaxmem (the model's own names; default) or hf (Hugging Face transformers' GPT-2 / Llama names)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an earlier export in OUT")
     p.add_argument("--json", action="store_true", help="print config.json")
     p.set_defaults(run=run_export)
@@ -75,9 +90,15 @@ def run_export(args) -> int:
     setup_devices(1)
     from jaxmem.train import export_checkpoint
 
-    config = export_checkpoint(args.checkpoint, args.out, step=args.step, force=args.force)
+    config = export_checkpoint(args.checkpoint, args.out, step=args.step, force=args.force, format=args.format)
     if args.json:
         print_json(config)
+    elif args.format == "hf":
+        ours = config["jaxmem"]
+        print(
+            f"exported step {ours['checkpoint']['step']} of {ours['model']['name']} ({ours['param_count']:,} params) "
+            f"as {config['architectures'][0]} to {args.out}/ (config.json, model.safetensors, tokenizer.json)"
+        )
     else:
         model = config["model"]
         print(

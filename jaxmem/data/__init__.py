@@ -15,6 +15,7 @@ from jaxmem.data._iterator import ORDER as ORDER
 from jaxmem.data._iterator import Batch as Batch
 from jaxmem.data._iterator import DataIterator as DataIterator
 from jaxmem.data._iterator import make_data as make_data
+from jaxmem.data._tokenizer import EOS as EOS
 from jaxmem.data._tokenizer import BPETokenizer as BPETokenizer
 from jaxmem.data._tokenizer import ByteTokenizer as ByteTokenizer
 from jaxmem.data._tokenizer import Tokenizer as Tokenizer

@@ -67,6 +67,38 @@ class ByteTokenizer(Tokenizer):
     def fingerprint(self):
         return "byte"
 
+    def as_bpe(self) -> BPETokenizer:
+        """The same ids as a Hugging Face ``tokenizers`` tokenizer (byte-level, no merges): what an
+        exported byte-level model ships as its ``tokenizer.json``.
+
+        >>> ByteTokenizer().as_bpe().encode("hé").tolist()
+        [104, 195, 169]
+        """
+        tokenizers = _import_tokenizers()
+        from tokenizers import decoders, models, pre_tokenizers
+
+        # Byte-level pre-tokenization spells byte b as the character byte_char[b]; a BPE without merges
+        # whose vocabulary gives that character id b keeps every byte its own id.
+        vocab = {char: b for b, char in enumerate(_byte_chars())}
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return BPETokenizer(tok, "byte")
+
+
+def _byte_chars() -> list[str]:
+    """The character byte-level BPE (GPT-2's scheme) writes for each byte 0..255: printable Latin-1
+    bytes stand for themselves, the others take the code points from 256 upwards, in byte order."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
 
 MAX_BPE = 2**20  # the largest bpe:N trained (module functions below)
 

@@ -71,6 +71,7 @@ class GPTConfig:
         n_layers: transformer blocks.
         d_ff: MLP hidden width; ``4 * d_model`` when 0.
         tied_head: reuse the token embedding as the output projection (as GPT-2 does).
+        norm_eps: LayerNorm epsilon (Flax's default; GPT-2's released weights were trained with 1e-5).
         dtype: compute dtype of activations (``bfloat16`` for mixed precision).
         param_dtype: dtype of the parameters, their gradients and the optimizer state (the master
             weights; ``float32`` by default whatever the compute dtype).
@@ -85,6 +86,7 @@ class GPTConfig:
     n_layers: int = 8
     d_ff: int = 0
     tied_head: bool = False
+    norm_eps: float = 1e-6
     dtype: str = "float32"
     param_dtype: str = "float32"
     attention: str = "materialized"
@@ -124,14 +126,14 @@ class Block(nnx.Module):
         init = nnx.initializers.normal(0.02)
         proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layers))
         self.n_heads, self.fused = config.n_heads, config.attention == "fused"
-        self.ln1 = nnx.LayerNorm(d, **kw)
+        self.ln1 = nnx.LayerNorm(d, epsilon=config.norm_eps, **kw)
         # A tensor axis cuts the MLP Megatron's way (columns of fc, rows of out). The fused qkv is
         # kept whole: its [q | k | v] column order would cut across heads, not between them.
         # Annotations only (eager_sharding=False): the module still builds outside a mesh.
         part, zeros = functools.partial(nnx.with_partitioning, eager_sharding=False), nnx.initializers.zeros_init()
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, **kw)
         self.proj = nnx.Linear(d, d, kernel_init=proj_init, **kw)
-        self.ln2 = nnx.LayerNorm(d, **kw)
+        self.ln2 = nnx.LayerNorm(d, epsilon=config.norm_eps, **kw)
         self.fc = nnx.Linear(d, f, kernel_init=part(init, (None, "mlp")), bias_init=part(zeros, ("mlp",)), **kw)
         self.out = nnx.Linear(f, d, kernel_init=part(proj_init, ("mlp", None)), **kw)
 
@@ -181,7 +183,7 @@ class GPT(nnx.Module):
         self.wte = nnx.Embed(config.vocab_size, config.d_model, embedding_init=init, **kw)
         self.wpe = nnx.Embed(config.max_seq_len, config.d_model, embedding_init=nnx.initializers.normal(0.01), **kw)
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
-        self.ln_f = nnx.LayerNorm(config.d_model, **kw)
+        self.ln_f = nnx.LayerNorm(config.d_model, epsilon=config.norm_eps, **kw)
         if not config.tied_head:
             self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, kernel_init=init, **kw)
 

@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -32,7 +33,17 @@ from jaxmem.models._interface import (
 )
 from jaxmem.policy import TagSet
 
-__all__ = ["LLAMA_FUSED_TAGS", "LLAMA_TAGS", "Llama", "LlamaBlock", "LlamaConfig", "PRESETS", "llama", "rope"]
+__all__ = [
+    "LLAMA_FUSED_TAGS",
+    "LLAMA_TAGS",
+    "PRESETS",
+    "Llama",
+    "LlamaBlock",
+    "LlamaConfig",
+    "llama",
+    "rope",
+    "rope_frequencies",
+]
 
 LLAMA_TAGS = TagSet(
     (
@@ -69,6 +80,8 @@ class LlamaConfig:
         n_layers: decoder blocks.
         d_ff: SwiGLU hidden width; 0 = 8/3 of ``d_model`` rounded up to a multiple of 16.
         rope_theta: RoPE base frequency.
+        rope_scaling: Llama 3.1's RoPE scaling as ``(factor, low_freq_factor, high_freq_factor,
+            original_max_position_embeddings)``, e.g. ``(8.0, 1.0, 4.0, 8192)``; None is plain RoPE.
         norm_eps: RMSNorm epsilon.
         tied_head: reuse the token embedding as the output projection.
         dtype: compute dtype (``bfloat16`` for mixed precision).
@@ -85,6 +98,7 @@ class LlamaConfig:
     n_layers: int = 8
     d_ff: int = 0
     rope_theta: float = 10000.0
+    rope_scaling: tuple[float, float, float, int] | None = None
     norm_eps: float = 1e-5
     tied_head: bool = False
     dtype: str = "float32"
@@ -101,6 +115,18 @@ class LlamaConfig:
             raise JaxmemError(f"LlamaConfig: the head width ({self.d_model // self.n_heads}) must be even for RoPE")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 16 * math.ceil(8 * self.d_model / 3 / 16))
+        if self.rope_scaling is not None:  # a tuple, also when read back from JSON as a list
+            try:
+                factor, low, high, original = self.rope_scaling
+                scaling = (float(factor), float(low), float(high), int(original))
+            except (TypeError, ValueError):
+                scaling = None
+            if scaling is None or not (scaling[0] >= 1 and 0 < scaling[1] < scaling[2] and scaling[3] >= 1):
+                raise JaxmemError(
+                    "LlamaConfig.rope_scaling is (factor >= 1, low_freq_factor, high_freq_factor > low_freq_factor, "
+                    f"original_max_position_embeddings), e.g. (8.0, 1.0, 4.0, 8192); got {self.rope_scaling!r}"
+                )
+            object.__setattr__(self, "rope_scaling", scaling)
 
     @property
     def head_dim(self) -> int:
@@ -146,11 +172,30 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(half: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
+    """The ``half`` rotation frequencies ``theta^(-i/half)``; with Llama 3.1's ``scaling``
+    ``(factor, low, high, original_len)``, those whose wavelength exceeds ``original_len / low`` are
+    divided by ``factor``, those under ``original_len / high`` are kept, and those between are
+    interpolated linearly in ``original_len / wavelength`` (the published formula, our code).
+
+    >>> [float(f"{f:.4g}") for f in rope_frequencies(4, 10000.0)]
+    [1.0, 0.1, 0.01, 0.001]
+    """
+    freqs = theta ** (-np.arange(half, dtype=np.float64) / half)
+    if scaling is None:
+        return freqs.astype(np.float32)
+    factor, low, high, original = scaling
+    wavelength = 2 * np.pi / freqs
+    smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    return ((1 - smooth) * freqs / factor + smooth * freqs).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple | None = None) -> jax.Array:
     """Rotary position embedding of ``x`` ``[batch, seq, heads, head_dim]`` at ``positions``
-    ``[batch or 1, seq]`` (rotate-half convention), computed in float32."""
+    ``[batch or 1, seq]`` (rotate-half convention), computed in float32; ``scaling`` as
+    :func:`rope_frequencies`."""
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = jnp.asarray(rope_frequencies(half, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [b, s, half]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)
@@ -166,6 +211,7 @@ class LlamaBlock(nnx.Module):
         kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.param_dtype), "rngs": rngs}
         init = nnx.initializers.normal(0.02)
         self.n_heads, self.n_kv_heads, self.rope_theta = config.n_heads, config.n_kv_heads, config.rope_theta
+        self.rope_scaling = config.rope_scaling
         self.fused = config.attention == "fused"
         self.attn_norm = nnx.RMSNorm(d, epsilon=config.norm_eps, **kw)
         # Megatron's split for a tensor axis: whole heads and the MLP's hidden units. Annotations
@@ -188,8 +234,9 @@ class LlamaBlock(nnx.Module):
         heads, kv_heads = self.n_heads, self.n_kv_heads
         hd, group = d // heads, heads // kv_heads
         h = checkpoint_name(self.attn_norm(x), "attn_in")
-        q = checkpoint_name(rope(self.wq(h).reshape(batch, seq, heads, hd), positions, self.rope_theta), "q")
-        k = checkpoint_name(rope(self.wk(h).reshape(batch, seq, kv_heads, hd), positions, self.rope_theta), "k")
+        theta, scaling = self.rope_theta, self.rope_scaling
+        q = checkpoint_name(rope(self.wq(h).reshape(batch, seq, heads, hd), positions, theta, scaling), "q")
+        k = checkpoint_name(rope(self.wk(h).reshape(batch, seq, kv_heads, hd), positions, theta, scaling), "k")
         v = checkpoint_name(self.wv(h).reshape(batch, seq, kv_heads, hd), "v")
         if self.fused:
             context = fused_attention(q, k, v).reshape(batch, seq, d)

@@ -14,7 +14,9 @@ from jaxmem.train._export import Exported as Exported
 from jaxmem.train._export import export_checkpoint as export_checkpoint
 from jaxmem.train._export import flatten_params as flatten_params
 from jaxmem.train._export import load_exported as load_exported
+from jaxmem.train._export import load_hf as load_hf
 from jaxmem.train._export import load_model as load_model
+from jaxmem.train._export import save_hf as save_hf
 from jaxmem.train._export import unflatten_params as unflatten_params
 from jaxmem.train._hooks import CheckpointHook as CheckpointHook
 from jaxmem.train._hooks import Hook as Hook

@@ -12,8 +12,9 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError
-from jaxmem.data import BPETokenizer, get_tokenizer
-from jaxmem.models import describe_model, generate, model_from_description
+from jaxmem.data import EOS, BPETokenizer, ByteTokenizer, get_tokenizer
+from jaxmem.models import describe_model, generate, get_model, model_from_description
+from jaxmem.models.hf import config_from_hf, from_hf, hf_config, to_hf
 from jaxmem.train._checkpoint import MARKER, read_params
 from jaxmem.train._state_io import model_params
 
@@ -23,14 +24,19 @@ __all__ = [
     "flatten_names",
     "flatten_params",
     "load_exported",
+    "load_hf",
     "load_model",
+    "save_hf",
     "unflatten_params",
 ]
 
 FORMAT = "jaxmem-export"
+FORMATS = ("jaxmem", "hf")
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 TOKENIZER = BPETokenizer.FILE
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def _path_name(path) -> str:
@@ -117,14 +123,33 @@ def _manifest_digest(manifest) -> str | None:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = None, model=None, force=False):
+def _write_weights(flat: dict, out_dir: str, metadata: dict) -> None:
+    """``out_dir/model.safetensors``, written whole or not at all (a temporary file renamed), readable
+    as any file the user writes."""
+    tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
+    _import_safetensors().save_file(flat, tmp, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
+
+
+def export_checkpoint(
+    checkpoint_dir: str, out_dir: str, *, step: int | None = None, model=None, force=False, format: str = "jaxmem"
+):
     """Write the parameters of a checkpoint step (default: the latest) to ``out_dir``.
 
-    Files: ``model.safetensors`` (every parameter array in the model's own layout and dtype, named by
-    its path, e.g. ``blocks.0.mlp_in.kernel``), ``config.json`` (the model's family and config, the
-    step, the tokenizer) and ``tokenizer.json`` when the run used a BPE tokenizer.
+    ``format="jaxmem"`` files: ``model.safetensors`` (every parameter array in the model's own layout
+    and dtype, named by its path, e.g. ``blocks.0.mlp_in.kernel``), ``config.json`` (the model's family
+    and config, the step, the tokenizer) and ``tokenizer.json`` when the run used a BPE tokenizer.
     :func:`load_exported` reads them back; for an NNX module,
     ``nnx.update(module, nnx.State(params))`` puts them in.
+
+    ``format="hf"`` (built-in GPT and Llama models): what ``transformers`` loads as
+    ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` -- its ``config.json``, ``model.safetensors`` in its
+    names and layouts (see :mod:`jaxmem.models.hf`), ``tokenizer.json`` and ``tokenizer_config.json``
+    (a byte-level run gets a byte-level ``tokenizer.json`` whose ids are the bytes). :func:`load_hf`
+    and ``jaxmem train --init-from`` read it back.
 
     Args:
         checkpoint_dir: a ``--checkpoint-dir`` of ``jaxmem train``.
@@ -132,19 +157,35 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = N
         step: which step (default: the latest).
         model: the :class:`~jaxmem.models.StagedModel` for a model of your own (built-in models are
             rebuilt from the checkpoint's metadata).
+        format: ``jaxmem`` (default) or ``hf``.
     Returns:
         ``config.json``'s content.
     """
+    if format not in FORMATS:
+        raise JaxmemError(f"export format {format!r}: use one of {', '.join(FORMATS)}")
     restored, description, model, _, flat = _checkpoint_model(checkpoint_dir, step, model)
+    if format == "hf" and description is None:
+        raise JaxmemError(
+            f"--format hf writes the built-in GPT and Llama in transformers' layout; {model.name} is a model of "
+            "your own (export it with --format jaxmem)"
+        )
     meta = restored.meta
     if os.path.exists(os.path.join(out_dir, WEIGHTS)) and not force:
         raise JaxmemError(f"{out_dir} already holds an export ({WEIGHTS}); choose another -o or pass --force")
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = meta.get("tokenizer") or "byte"
     saved_tokenizer = os.path.join(checkpoint_dir, TOKENIZER)
+    if tokenizer != "byte" and not os.path.exists(saved_tokenizer):
+        raise JaxmemError(f"the run used tokenizer {tokenizer} but {saved_tokenizer} is missing")
+    # Which state this is, without the exporting machine's paths: the step, and a digest of the
+    # per-array checksums saved with it (equal digests: the same saved arrays).
+    provenance = {"step": restored.step, "manifest_sha256": _manifest_digest(meta.get("manifest"))}
+    param_count = int(sum(a.size for a in flat.values()))
+    if format == "hf":
+        run_tokenizer = ByteTokenizer() if tokenizer == "byte" else get_tokenizer(saved_tokenizer)
+        extra = {"jaxmem": {"model": description, "checkpoint": provenance, "param_count": param_count}}
+        return save_hf(model, flat, out_dir, tokenizer=run_tokenizer, extra=extra)
     if tokenizer != "byte":
-        if not os.path.exists(saved_tokenizer):
-            raise JaxmemError(f"the run used tokenizer {tokenizer} but {saved_tokenizer} is missing")
         shutil.copyfile(saved_tokenizer, os.path.join(out_dir, TOKENIZER))
     config = {
         "format": FORMAT,
@@ -152,33 +193,141 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: int | None = N
         "model": description,
         "step": restored.step,
         "tokenizer": "byte" if tokenizer == "byte" else TOKENIZER,
-        # Which state this is, without the exporting machine's paths: the step, and a digest of the
-        # per-array checksums saved with it (equal digests: the same saved arrays).
-        "checkpoint": {"step": restored.step, "manifest_sha256": _manifest_digest(meta.get("manifest"))},
-        "param_count": int(sum(a.size for a in flat.values())),
+        "checkpoint": provenance,
+        "param_count": param_count,
     }
-    tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
-    _import_safetensors().save_file(flat, tmp, metadata={"format": FORMAT, "step": str(restored.step)})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # readable as any file the user writes
-    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
+    _write_weights(flat, out_dir, {"format": FORMAT, "step": str(restored.step)})
+    with open(os.path.join(out_dir, CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    return config
+
+
+def save_hf(model, params, out_dir: str, *, tokenizer=None, extra: dict | None = None) -> dict:
+    """Write a built-in GPT or Llama with ``params`` (its own tree, or named arrays as
+    :func:`flatten_params` gives them) as ``transformers`` saves a ``GPT2LMHeadModel`` /
+    ``LlamaForCausalLM``: ``config.json`` (with ``extra`` keys added), ``model.safetensors`` and, for a
+    ``tokenizer`` (a :class:`~jaxmem.data.Tokenizer`; a byte-level one is written as a byte-level
+    ``tokenizer.json`` whose ids are the bytes), ``tokenizer.json`` and ``tokenizer_config.json``.
+    Returns ``config.json``'s content."""
+    if describe_model(model) is None:
+        raise JaxmemError(f"save_hf writes the built-in GPT and Llama; {model.name} is a model of your own")
+    flat = flatten_params(params)  # named arrays name themselves the same way
+    os.makedirs(out_dir, exist_ok=True)
+    eos_id = None
+    if tokenizer is not None:
+        hf_tokenizer = tokenizer.as_bpe() if isinstance(tokenizer, ByteTokenizer) else tokenizer
+        hf_tokenizer.save(out_dir)
+        eos_id = hf_tokenizer.eos_id
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_seq_len}
+        settings |= {"clean_up_tokenization_spaces": False, **({"eos_token": EOS} if eos_id is not None else {})}
+        with open(os.path.join(out_dir, TOKENIZER_CONFIG), "w") as f:
+            json.dump(settings, f, indent=2)
+    config = {**hf_config(model.config, eos_id=eos_id), **(extra or {})}
+    _write_weights(to_hf(flat, model.config), out_dir, {"format": "pt"})  # transformers checks for "pt"
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     return config
 
 
 class Exported:
-    """An exported model: ``model`` (a StagedModel), ``params`` (its own layout) and ``tokenizer``."""
+    """An exported model: ``model`` (a StagedModel), ``params`` (its own layout) and ``tokenizer``
+    (None when the directory has none)."""
 
     def __init__(self, model, params, tokenizer, config: dict):
         self.model, self.params, self.tokenizer, self.config = model, params, tokenizer, config
 
     def generate(self, prompt: str, **kwargs) -> str:
         """Continue a text prompt (keyword arguments as :func:`jaxmem.models.generate`)."""
-
+        if self.tokenizer is None:
+            raise JaxmemError("this model came without a tokenizer.json; call jaxmem.models.generate with token ids")
         ids = generate(self.model, self.params, self.tokenizer.encode(prompt), **kwargs)
         return self.tokenizer.decode(ids)
+
+
+def _hf_tensors(directory: str):
+    """``(names, read)`` of a ``transformers`` checkpoint directory's tensors: ``model.safetensors``,
+    or the shards its ``model.safetensors.index.json`` maps; ``read(name)`` reads one tensor."""
+    from safetensors import safe_open
+
+    index = os.path.join(directory, WEIGHTS_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        if not weight_map:
+            raise JaxmemError(f"{index} has no weight_map")
+    elif os.path.exists(os.path.join(directory, WEIGHTS)):
+        weight_map = None
+    else:
+        found = sorted(f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack")))
+        hint = f"; it has {', '.join(found[:3])}: save it with safe_serialization=True" if found else ""
+        raise JaxmemError(f"{directory} has no {WEIGHTS} (or {WEIGHTS_INDEX}){hint}")
+    files = {}
+
+    def handle(file: str):
+        if file not in files:
+            path = os.path.join(directory, file)
+            if os.path.basename(file) != file or not os.path.exists(path):
+                raise JaxmemError(f"{directory}: weight file {file!r} (named by {WEIGHTS_INDEX}) is missing")
+            files[file] = safe_open(path, framework="numpy")
+        return files[file]
+
+    if weight_map is None:
+        names = list(handle(WEIGHTS).keys())
+        return names, lambda name: handle(WEIGHTS).get_tensor(name)
+    return list(weight_map), lambda name: handle(weight_map[name]).get_tensor(name)
+
+
+def load_hf(directory: str, **overrides) -> Exported:
+    """A local Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory (``config.json``,
+    ``model.safetensors`` or its shards, and ``tokenizer.json`` when there is one) as the built-in GPT
+    or Llama with those weights. Nothing is downloaded.
+
+    ``overrides`` set the model's ``dtype``, ``param_dtype`` (default ``float32``: the weights are cast
+    to it) and ``attention``; its shape comes from the directory. Refused, saying why, where the
+    built-in model would not compute what the checkpoint's does (another activation, RoPE scaling,
+    biases Llama does not have).
+
+    >>> # exported = load_hf("gpt2-dir"); trainer.init_state(exported.params)
+    """
+    path = os.path.join(directory, CONFIG)
+    hf = _read_config(directory, f"{directory} is not a Hugging Face model directory (no {CONFIG})")
+    model = get_model(config_from_hf(hf, where=path, **{k: v for k, v in overrides.items() if v is not None}))
+    params = hf_params(directory, model)
+    tokenizer_file = os.path.join(directory, TOKENIZER)
+    tokenizer = get_tokenizer(tokenizer_file) if os.path.exists(tokenizer_file) else None
+    return Exported(model, params, tokenizer, hf)
+
+
+def hf_params(directory: str, model):
+    """The weights of a Hugging Face model directory as parameters of ``model`` (a built-in GPT or
+    Llama of the directory's shape, e.g. built from its ``config.json``), in its parameter dtype; read
+    one tensor at a time."""
+    names, read = _hf_tensors(directory)
+    return unflatten_params(from_hf(names, read, model.config, where=directory), model.abstract_params())
+
+
+def _read_config(directory: str, missing: str) -> dict:
+    """``directory/config.json`` as a dict (``missing``: the error when there is none)."""
+    path = os.path.join(directory, CONFIG)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise JaxmemError(missing) from None
+    except json.JSONDecodeError as e:
+        raise JaxmemError(f"{path} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise JaxmemError(f"{path} is not a JSON object")
+    return config
+
+
+def is_hf_directory(directory: str) -> bool:
+    """Whether ``directory`` holds a ``transformers`` ``config.json`` (rather than a jaxmem export's)."""
+    try:
+        config = _read_config(directory, "")
+    except (OSError, JaxmemError):
+        return False
+    return "model_type" in config and config.get("format") != FORMAT
 
 
 def load_exported(directory: str, *, model=None) -> Exported:
@@ -188,11 +337,7 @@ def load_exported(directory: str, *, model=None) -> Exported:
     """
 
     path = os.path.join(directory, CONFIG)
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise JaxmemError(f"{directory} is not a jaxmem export (no {CONFIG}); make one with `jaxmem export`") from None
+    config = _read_config(directory, f"{directory} is not a jaxmem export (no {CONFIG}); make one with `jaxmem export`")
     if config.get("format") != FORMAT:
         raise JaxmemError(f"{path} is not a jaxmem export config (format {config.get('format')!r})")
     if model is None:
@@ -212,9 +357,11 @@ def load_exported(directory: str, *, model=None) -> Exported:
 
 
 def load_model(path: str, *, step: int | None = None, model=None) -> Exported:
-    """An export directory, or a checkpoint directory (its latest or given step), as :class:`Exported`
-    (``model``: for a model of your own)."""
+    """An export directory (either format), or a checkpoint directory (its latest or given step), as
+    :class:`Exported` (``model``: for a model of your own)."""
 
+    if is_hf_directory(path) and model is None:
+        return load_hf(path)
     if os.path.exists(os.path.join(path, CONFIG)):
         return load_exported(path, model=model)
     restored, description, model, params, _ = _checkpoint_model(path, step, model)

@@ -134,6 +134,7 @@ class CheckpointHook(Hook):
         """Refuse a checkpoint this run cannot resume (another model, optimizer, seed, sequence length
         or data) from its metadata alone, before the state is initialised and the step compiled."""
         meta = self.checkpointer.check(trainer.restore_target(), self.restore_step)
+        self.resuming = meta is not None
         if meta is not None:
             trainer.check_resumable(meta)
 

@@ -192,7 +192,9 @@ def train(
         hooks.append(metrics_hook)
     for hook in hooks:
         getattr(hook, "before_start", lambda trainer: None)(trainer)
-    state = trainer.init_state()
+    # A run that resumes does not read --init-from's weights only to replace them.
+    resuming = any(getattr(hook, "resuming", False) for hook in hooks)
+    state = trainer.init_state(None if resuming else trainer.initial_params())
     first_step = state.step
     for hook in hooks:
         state = hook.on_start(trainer, state)

@@ -85,7 +85,8 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, devices: Sequence | None = None, optimizer=None, corpus=None):
         self.corpus, self.eval_corpus = (corpus, None) if corpus is not None else _load_data(config)
         tokenizer = self.tokenizer
-        if tokenizer is not None and config.vocab_size is None and not isinstance(config.model, StagedModel):
+        preset = not isinstance(config.model, StagedModel) and config.init_from is None
+        if tokenizer is not None and config.vocab_size is None and preset:
             # A preset's vocabulary follows the tokenizer (byte-level data keeps the preset's own).
             if tokenizer.vocab_size != 256:
                 config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
@@ -138,6 +139,15 @@ class Trainer:
             position=position,
             vocab_size=self.model.vocab_size or 256,
         )
+
+    def initial_params(self):
+        """The parameters a fresh run starts from, in the model's layout, on the host: the weights of
+        ``config.init_from``, or None (drawn from the seed by :meth:`init_state`)."""
+        if self.config.init_from is None:
+            return None
+        from jaxmem.train._export import hf_params
+
+        return hf_params(self.config.init_from, self.model)
 
     def init_state(self, model_params=None) -> TrainState:
         """Fresh (or given, in the model's layout) parameters, optimizer state, step 0.
