@@ -301,8 +301,7 @@ class ModelFacts:
         """Facts of one stage-microbatch (``policy``: a bound stage policy; ``vocab``: the vocabulary is
         split over the ranks, so the first stage starts from its looked-up rows and the last ends before
         the head's projection, see :meth:`vocab_flops`)."""
-        # Where weights and optimizer state live does not change a stage's residuals or FLOPs.
-        policy = dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False)
+        policy = _stage_only(policy)
         vocab = bool(vocab) and (first or last)
         per_sequence = self._per_sequence(first, last, layers, policy, seq, vocab)
         return per_sequence.scaled(microbatch)
@@ -405,7 +404,7 @@ class ModelFacts:
         """What a ``tensor`` axis cuts of one layer under ``policy`` (a bound stage policy), from a
         one-layer middle stage's jaxpr (:mod:`jaxmem.memory._cut`); nothing without an axis or
         annotations."""
-        policy = dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False)
+        policy = _stage_only(policy)
         key = ("cut", policy, seq, tensor)
         if key not in self._cache:
             self._cache[key] = TensorFacts()
@@ -460,6 +459,10 @@ class ModelFacts:
         ``WORKSET_MICROBATCH`` sequences (a microbatch of one lays some buffers out apart); more
         than two layers are extrapolated from one and two, as the other facts are. With ``tensor``
         > 1, compiled on a ``tensor`` mesh of local devices (None when there are too few)."""
+        # The pullback compiled alone takes its stash as arguments wherever the executor keeps it:
+        # where the stash lives does not change its temporaries (equal on every preset, tiny GPT and
+        # Llama), so the offloaded variants share the compile.
+        policy = dataclasses.replace(_stage_only(policy), offload_stash=False)
         if layers > 2:
             one = self._working(first, last, 1, policy, seq, vocab, tensor)
             two = self._working(first, last, 2, policy, seq, vocab, tensor)
@@ -496,7 +499,6 @@ class ModelFacts:
         models the cut)."""
         if tensor <= 1 or self.model.axes is None or self._cpu_emulates_16_bits(seq):
             return None
-        policy = dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False)
         per = self._working(first, last, layers, policy, seq, bool(vocab) and (first or last), tensor)
         return None if per is None else per * microbatch
 
@@ -546,6 +548,14 @@ class ModelFacts:
         flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
         return forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
+
+
+def _stage_only(policy):
+    """A bound stage policy without the settings that do not change a stage's residuals, FLOPs or
+    temporaries -- where its weights and optimizer state live, whether FSDP keeps its weights
+    gathered (all priced by the ledger from the policy itself) -- so that policies differing only
+    there share their facts (and their compiles)."""
+    return dataclasses.replace(policy, offload_weights=False, offload_optimizer_state=False, keep_gathered=False)
 
 
 def _tensor_dim(shape, ax, lead: int, tensor: int) -> int | None:
