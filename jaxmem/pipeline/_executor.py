@@ -18,7 +18,6 @@ counted tokens of the whole batch, however it is microbatched or masked.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -28,10 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
-from jaxmem.models import RNG_SPEC, StagedModel, get_model, microbatch_key, stage_key
-from jaxmem.pipeline import _vocab
+from jaxmem.models import RNG_SPEC, StagedModel, get_model
+from jaxmem.pipeline._body import StepBody, varying_axes
 from jaxmem.pipeline._compute_copy import compute_model_abstract, may_cut_master, narrow_vocab
-from jaxmem.pipeline._cut import CutArena, as_rows
 from jaxmem.pipeline._placement import (
     AXES,
     MESH_AXES,
@@ -44,18 +42,15 @@ from jaxmem.pipeline._placement import (
 )
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
 from jaxmem.pipeline._split import ParamLayout, PipelineParams, split_layers, stage_forward
-from jaxmem.pipeline._split import vocab_size as _vocab_size
 from jaxmem.pipeline._ticks import (
-    COLUMNS,
     StageClass,
     TickProgram,
     build_tick_program,
     cell_classes,
-    stash_cut,
     stash_rows,
 )
 from jaxmem.policy import ResolvedPolicy, resolve
-from jaxmem.schedule import Kind, Schedule, forward_only, validate
+from jaxmem.schedule import Schedule, forward_only, validate
 
 __all__ = ["Pipeline", "batch_spec", "make_mesh", "varying_axes"]
 
@@ -102,34 +97,6 @@ def _normalize_mesh(mesh: Mesh) -> Mesh:
         shape = dict(zip(names, mesh.devices.shape))
         return Mesh(mesh.devices.reshape(shape["data"], 1, shape["pipe"]), AXES)
     raise JaxmemError(f"the mesh axes must be {MESH_AXES} (see jaxmem.pipeline.make_mesh), got {names}")
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes along which ``x`` varies inside ``shard_map`` (jax 0.10 spells it ``mat.varying``)."""
-    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _vary(x: jax.Array) -> jax.Array:
-    """Mark ``x`` as varying over every mesh axis (no data movement), so cond branches agree and no
-    autodiff transpose inserts a collective inside a branch."""
-    missing = tuple(a for a in AXES if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _vary_like(x: jax.Array, aval) -> jax.Array:
-    """Mark ``x`` as varying over the mesh axes ``aval`` varies over."""
-    axes = tuple(a for a in AXES if a in varying_axes(aval) and a not in varying_axes(x))
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
-def _vary_tree(tree):
-    return jax.tree.map(_vary, tree)
-
-
-def _to_device(tree):
-    return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), tree)
 
 
 def batch_spec(batch: int, seq: int, *, loss_mask: bool = False, positions: bool = False) -> dict:
@@ -649,442 +616,16 @@ class Pipeline:
         return self._jitted[key](params, batch, rng)
 
     def _build_grad_fn(self, spec: dict, forward: bool = False):
-        """The pipelined loss and gradients (``forward``: the loss alone, from the forwards alone)."""
+        """The pipelined loss and gradients (``forward``: the loss alone, from the forwards alone): the
+        tick loop's body (:class:`~jaxmem.pipeline._body.StepBody`) inside ``shard_map``."""
         if self.schedule.forward_only and not forward:
             raise JaxmemError(
                 f"schedule {self.schedule.name!r} runs forwards only, so it gives a loss but no gradients: "
                 "use Pipeline.loss_fn for the loss, or a schedule with backwards (e.g. generate('1f1b', P, M)) "
                 "to train"
             )
-        tick, _ = self.program(spec, forward=forward)
-        M = self.schedule.num_microbatches
-        mb = self.check_batch(spec)
-        classes, pipe_size, fsdp_size = tick.classes, self.pipe, self.fsdp
-        col = {name: i for i, name in enumerate(COLUMNS)}
-        keys = tick.stash_keys
-        stash_cols = [tick.stash_column(ki) for ki in range(len(keys))]
-        if tick.table.max(initial=0) >= 2**31 or max(tick.arena_elems, default=0) >= 2**31:
-            raise JaxmemError(
-                f"a stash arena of {max(tick.arena_elems):,} elements exceeds what int32 indexing reaches (2^31); "
-                "use more pipeline stages or microbatches (smaller microbatches), or a recompute policy"
-            )
-        table = jnp.asarray(tick.table.astype(np.int32))
-        weights_on_host, kept_gathered = self.weights_on_host, self.kept_gathered
-        message_spec = self.message_spec(spec)
-        # The cotangent of every microbatch's loss_sum: 1 / (the global batch's target count, or its
-        # example count), so that unweighted gradients come out exactly as the mean loss's; weighted
-        # (masked) ones are rescaled at the end.
-        tokens_global = _counted(spec)
-        ct_scale = 1.0 / tokens_global
-
-        stage_ids = jnp.asarray([self.schedule.stages_of(r) for r in range(pipe_size)], jnp.int32)
-        uses_rng = self.model.rng
-        # The stages read ``abstract`` (the compute copy with master_cut); the gradients accumulate in
-        # the master weights' dtypes.
-        placement, abstract, master = self.placement, self.stage_abstract(), self.abstract_params()
-        stage_places = [jax.tree.leaves(t, is_leaf=_is_placement) for t in placement.stages]
-        shared_places = jax.tree.leaves(placement.shared, is_leaf=_is_placement)
-        shared_treedef = jax.tree.structure(abstract.shared)
-
-        def gather(leaf, p: LeafPlacement, dropped: int = 0):
-            """A leaf whole over ``fsdp`` (``dropped``: leading dimensions the local value lacks)."""
-            dim = p.fsdp_dim
-            return leaf if dim is None else jax.lax.all_gather(leaf, "fsdp", axis=dim - dropped, tiled=True)
-
-        def scatter(grad, p: LeafPlacement, dropped: int = 0):
-            """A whole gradient summed over ``fsdp`` and cut back to this device's shard."""
-            dim = p.fsdp_dim
-            return (
-                grad if dim is None else jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim - dropped, tiled=True)
-            )
-
-        # With a tensor axis the device arenas are cut over it, ``[tensor, rows]``: a residual the
-        # stage computes cut stays each device's share, the others are kept whole on every device
-        # and their flat vector is cut in pieces, gathered back in the backward (CutArena). Whole
-        # residuals are pinned replicated: a flat vector of a cut array has no cut of its own, and
-        # resharding one inside a branch would put collective-permutes where only some ranks run.
-        pin = (lambda v: jax.lax.with_sharding_constraint(v, P())) if self.tensor > 1 else None
-        cuts = [stash_cut(key, self.tensor) for key in keys]
-        cut_keys = [key for key, c in zip(keys, cuts) if c > 1]
-
-        def cut_arena(c: StageClass, plan: ResidualPlan) -> CutArena | None:
-            """Where class ``c``'s residuals sit in the cut arenas (None: no tensor axis)."""
-            if not cut_keys:
-                return None
-            dims = [None if p.tensor_dim is None else p.tensor_dim - 1 for p in stage_places[c.local]]
-            return CutArena(plan, dims + [p.tensor_dim for p in shared_places], self.tensor, cut_keys)
-
-        # XLA's CPU compiler aborts promoting a 16-bit all-reduce that the partitioner gave a copy at
-        # its reduction's root (jax 0.10.2, a tensor axis): there, the pipe sums run in float32.
-        widen_sums = self.tensor > 1 and self.mesh.devices.flat[0].platform == "cpu"
-        vocab_split = self.vocab
-        vocab_places = jax.tree.leaves(placement.vocab, is_leaf=_is_placement)
-        vocab_ticks = jnp.asarray(tick.vocab_ticks.astype(np.int32))
-        first_rank = self.schedule.stage_to_rank[0]
-        last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]
-        vocab_size = _vocab_size(self.model) if vocab_split is not None else 0
-
-        def body(stage_params, shared, vocab, batch, table_local, vocab_table, rng):
-            stage_params = tuple(_vary_tree(jax.tree.map(lambda a: a[0], tree)) for tree in stage_params)
-            shared = _vary_tree(shared)
-            vocab = jax.tree.map(lambda a: _vary(a[0]), vocab)
-            shared_leaves = jax.tree.leaves(shared)
-            batch = jax.tree.map(lambda a: _vary(a.reshape(M, mb, *a.shape[1:])), batch)
-            x_like = jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), message_spec)
-            zero = _vary(jnp.zeros((), jnp.float32))
-
-            def gathered_params(v):
-                """Local stage ``v``'s parameters on the device, whole (gathered over ``fsdp``)."""
-                params = _to_device(stage_params[v]) if weights_on_host[v] else stage_params[v]
-                leaves, treedef = jax.tree.flatten(params)
-                return treedef.unflatten([gather(a, p, 1) for a, p in zip(leaves, stage_places[v])])
-
-            # A stage whose policy keeps its weights gathered gathers them once, here, before the ticks.
-            kept = [gathered_params(v) if keep else None for v, keep in enumerate(kept_gathered)]
-
-            def device_params(v):
-                return kept[v] if kept_gathered[v] else gathered_params(v)
-
-            def whole_like(tree):
-                """Zeros of the whole (unsharded) shapes: for tracing, and for the shared leaves a stage
-                does not read (never materialised: nothing uses them)."""
-                return jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), tree)
-
-            def shared_for(plan: ResidualPlan):
-                """The shared leaves a stage reads, gathered; zeros (unused) for the others."""
-                leaves = [
-                    gather(a, p) if used else _vary(jnp.zeros(full.shape, full.dtype))
-                    for a, p, used, full in zip(
-                        shared_leaves, shared_places, plan.used_shared, jax.tree.leaves(abstract.shared)
-                    )
-                ]
-                return shared_treedef.unflatten(leaves)
-
-            def with_key(micro, microbatch, local_stage):
-                """The microbatch with its stage's key (models that draw random numbers)."""
-                if not uses_rng:
-                    return micro
-                replica = jax.lax.axis_index("data") * fsdp_size + jax.lax.axis_index("fsdp")
-                key = microbatch_key(rng, replica, microbatch, M)
-                stage = stage_ids[jax.lax.axis_index("pipe"), local_stage]
-                return {**micro, "rng": stage_key(key, stage)}
-
-            first_mb = with_key(jax.tree.map(lambda a: a[0], batch), 0, 0)
-            # Trace the residual plans again here, with this program's (varying) types.
-            whole_stages = [
-                whole_like(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t))
-                for t in abstract.stages
-            ]
-            plans = [
-                analyze_stage(
-                    self.stage_fn(c),
-                    whole_stages[c.local],
-                    whole_like(abstract.shared),
-                    x_like,
-                    first_mb,
-                    stash_to_host=self._stash_to_host(c),
-                )
-                for c in classes
-            ]
-
-            def stash(arena, packed, off):
-                """A forward's residuals written in place at their offset, over nothing else: each
-                residual by itself (``[(leaf, value), ...]``), or a cut arena's packed rows. None: the
-                forward stashes nothing in this arena."""
-                if packed is None:
-                    return arena
-                if isinstance(packed, list):  # no concatenated copy: every residual goes straight in
-                    for leaf, value in packed:
-                        value = jnp.ravel(value if pin is None else pin(value))
-                        arena = jax.lax.dynamic_update_slice_in_dim(arena, value, off + leaf.offset, 0)
-                    return arena
-                return jax.lax.dynamic_update_slice_in_dim(arena, packed, off, arena.ndim - 1)
-
-            def accumulate(grads, shared_grads, local: int, plan: ResidualPlan, d_params, d_shared):
-                """Add a backward's gradients to the accumulators (cut to this device's fsdp shard)."""
-                grads = list(grads)
-                leaves, treedef = jax.tree.flatten(d_params)
-                acc = jax.tree.leaves(grads[local])
-                cut = (lambda d, p: d) if kept_gathered[local] else (lambda d, p: scatter(d, p, 1))
-                grads[local] = treedef.unflatten(
-                    [a + _vary(cut(d.astype(a.dtype), p)) for a, d, p in zip(acc, leaves, stage_places[local])]
-                )
-                shared_acc = jax.tree.leaves(shared_grads)
-                shared_grads = shared_treedef.unflatten(
-                    [
-                        a + _vary(scatter(d.astype(a.dtype), p)) if used else a
-                        for a, d, p, used in zip(shared_acc, jax.tree.leaves(d_shared), shared_places, plan.used_shared)
-                    ]
-                )
-                return tuple(grads), shared_grads
-
-            # Each action is a branch ``(state, offs, x_in, g_in, micro) -> state``, the state being
-            # ``(message, arenas, grads, shared_grads, totals)``. A forward writes its residuals into the
-            # arenas and a backward adds to the gradient accumulators, both in place: every branch runs
-            # in a two-way ``lax.cond`` whose other side hands the state back untouched (see tick_step).
-            def make_branch(class_index: int, kind: Kind):
-                c, plan = classes[class_index], plans[class_index]
-                rows = stash_rows(plan.stash_elems, self.tensor)
-                arena = cut_arena(c, plan)
-
-                def branch(state, offs, x_in, g_in, micro):
-                    message, arenas, grads, shared_grads, totals = state
-                    params = device_params(c.local)
-                    shared_in = shared_for(plan)
-                    if kind is Kind.F:
-                        pack = (lambda key, parts: parts) if arena is None else functools.partial(arena.pack, pin=pin)
-                        out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin, pack=pack)
-                        arenas = tuple(stash(buf, packed.get(key), off) for key, buf, off in zip(keys, arenas, offs))
-                        if c.last and vocab_split is None:
-                            loss_sum, weight = out
-                            totals = (totals[0] + _vary(loss_sum), totals[1] + _vary(weight))
-                        else:  # a split vocabulary's head takes the last stage's output after the ticks' branches
-                            message = _vary_tree(out)
-                        return (message, arenas, grads, shared_grads, totals)
-                    current = {
-                        key: jax.lax.dynamic_slice_in_dim(buf, off, rows[key] if cut > 1 else n, axis=buf.ndim - 1)
-                        for key, buf, off, cut in zip(keys, arenas, offs, cuts)
-                        if (n := plan.stash_elems.get(key))
-                    }
-                    unpack = None if arena is None else arena.unpacker(pin)
-                    pullback = plan.pullback(params, shared_in, x_like, micro, current, pin=pin, unpack=unpack)
-                    if c.last and vocab_split is None:
-                        # Typed like the outputs (a constant weight varies over no mesh axis).
-                        loss_aval, weight_aval = plan.out_avals
-                        ct = (
-                            _vary_like(jnp.full(loss_aval.shape, ct_scale, loss_aval.dtype), loss_aval),
-                            _vary_like(jnp.zeros(weight_aval.shape, weight_aval.dtype), weight_aval),
-                        )
-                    else:
-                        # A leaf the stage sends on that depends on nothing varying (a constant, say a
-                        # counter it starts) has no gradient to carry back: its cotangent is a zero typed
-                        # like it (the one sent back varies like every message).
-                        leaves, treedef = jax.tree.flatten(g_in)
-                        ct = treedef.unflatten(
-                            [
-                                g if set(AXES) <= set(varying_axes(a)) else _vary_like(jnp.zeros(a.shape, a.dtype), a)
-                                for g, a in zip(leaves, plan.out_avals, strict=True)
-                            ]
-                        )
-                    d_params, d_shared, d_x = pullback(ct)
-                    # The first stage's input gradient goes to a split vocabulary's table (after the conds).
-                    no_input_grad = (c.first and vocab_split is None) or kind is Kind.W
-                    if not no_input_grad:
-                        message = _vary_tree(d_x)
-                    if kind is not Kind.I:
-                        grads, shared_grads = accumulate(grads, shared_grads, c.local, plan, d_params, d_shared)
-                    return (message, arenas, grads, shared_grads, totals)
-
-                return branch
-
-            branches = [make_branch(ci, kind) for ci, kind in tick.branches]  # branch 0 is idle
-            forwards_first = sorted(range(1, len(branches) + 1), key=lambda b: tick.branches[b - 1][1] is not Kind.F)
-
-            def read(buffers, slot):
-                return jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), buffers)
-
-            def write(buffers, value, slot):
-                return jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, slot, 0), buffers, value)
-
-            pipe_index = jax.lax.axis_index("pipe")
-
-            def total(x, op: str):
-                """``x`` reduced over the pipe ranks (``op``: ``max`` or ``sum``), varying again."""
-                if widen_sums and jnp.dtype(x.dtype).itemsize < 4:
-                    return total(x.astype(jnp.float32), op).astype(x.dtype)
-                return _vary(jax.lax.pmax(x, "pipe") if op == "max" else jax.lax.psum(x, "pipe"))
-
-            def from_rank(rank: int, message):
-                """``message`` as ``rank`` has it, on every rank."""
-                mine = pipe_index == rank
-                return jax.tree.map(lambda m: total(jnp.where(mine, m, jnp.zeros_like(m)), "sum"), message)
-
-            def vocab_lookup(table, mb_index):
-                tokens = read(batch, jnp.maximum(mb_index, 0))["tokens"]
-                return _vocab.lookup(table, tokens, pipe_index * table.shape[0], vocab_split.dtype)
-
-            def embed_rows(x_in, mb_index):
-                """At a first-stage F, the rows of its tokens (looked up by every rank) as its input."""
-                (like,) = jax.tree.leaves(x_like)
-
-                def rows(_):
-                    return total(vocab_lookup(vocab["table"], mb_index), "sum").astype(like.dtype)
-
-                looked = jax.lax.cond(mb_index >= 0, rows, lambda _: like, None)
-                use = (pipe_index == first_rank) & (mb_index >= 0)
-                return jax.tree.map(lambda x: jnp.where(use, looked, x), x_in)
-
-            def embed_grads(vocab_grads, message, mb_index):
-                """At a first-stage B or I, its rows' gradient into every rank's slice of the table."""
-
-                def add(acc):
-                    (d_rows,) = jax.tree.leaves(from_rank(first_rank, message))
-                    _, pull = jax.vjp(lambda t: vocab_lookup(t, mb_index), vocab["table"])
-                    return _vary(acc + pull(d_rows.astype(vocab_split.dtype))[0].astype(acc.dtype))
-
-                table_grads = jax.lax.cond(mb_index >= 0, add, lambda acc: acc, vocab_grads["table"])
-                return {**vocab_grads, "table": table_grads}
-
-            head_name = None if vocab_split is None else "table" if vocab_split.tied else "head"
-
-            def head_slice(message, mb_index):
-                """At a last-stage F: the last stage's output as every rank has it, its microbatch, where
-                this rank's slice of the vocabulary starts, the loss mask, and the slice's projection
-                ``w, h -> logits``."""
-                (h,) = jax.tree.leaves(from_rank(last_rank, message))
-                micro = read(batch, jnp.maximum(mb_index, 0))
-                offset = pipe_index * vocab[head_name].shape[0]
-                mask = micro.get("loss_mask")
-                mask = jnp.ones(micro["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-
-                def project(w, h):
-                    return _vocab.head_slice(w, h, offset, vocab_size, vocab_split.dtype, vocab_split.softcap)
-
-                return h, micro, offset, mask, project
-
-            def counted(totals, sums, mb_index):
-                """The loss sums added to the totals on the last stage's rank, for a real microbatch."""
-                counts = (pipe_index == last_rank) & (mb_index >= 0)
-                return (totals[0] + jnp.where(counts, sums[0], 0.0), totals[1] + jnp.where(counts, sums[1], 0.0))
-
-            def head(vocab_grads, grad_buf, totals, message, row, mb_index):
-                """At a last-stage F, every rank's slice of the logits, the loss, and its gradient: the
-                slice's projection gradient, and dL/dh for the last stage's backward."""
-                (like,) = jax.tree.leaves(x_like)
-
-                def run(acc):
-                    h, micro, offset, mask, project = head_slice(message, mb_index)
-                    logits, pull = jax.vjp(project, vocab[head_name], h)
-                    loss, dlogits = _vocab.cross_entropy_parts(logits, micro["targets"], offset, mask, total)
-                    d_w, d_h = pull(dlogits * ct_scale)
-                    d_h = total(d_h, "sum").astype(like.dtype)
-                    sums = (_vary(jnp.sum(loss * mask)), _vary(jnp.sum(mask)))
-                    return _vary(acc + d_w.astype(acc.dtype)), d_h, sums
-
-                def skip(acc):
-                    return acc, like, (zero, zero)
-
-                acc, d_h, sums = jax.lax.cond(mb_index >= 0, run, skip, vocab_grads[head_name])
-                grad_buf = write(grad_buf, jax.tree.unflatten(jax.tree.structure(x_like), [d_h]), row[col["head_grad"]])
-                return {**vocab_grads, head_name: acc}, grad_buf, counted(totals, sums, mb_index)
-
-            def head_loss(totals, message, mb_index):
-                """At a last-stage F of a forward-only program: the loss from every rank's slice of the
-                logits (no gradient)."""
-
-                def run(_):
-                    h, micro, offset, mask, project = head_slice(message, mb_index)
-                    loss, _ = _vocab.cross_entropy_parts(
-                        project(vocab[head_name], h), micro["targets"], offset, mask, total
-                    )
-                    return _vary(jnp.sum(loss * mask)), _vary(jnp.sum(mask))
-
-                sums = jax.lax.cond(mb_index >= 0, run, lambda _: (zero, zero), None)
-                return counted(totals, sums, mb_index)
-
-            def tick_step(carry, rows):
-                row, vocab_row = rows
-                act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals = carry
-                micro = with_key(read(batch, row[col["microbatch"]]), row[col["microbatch"]], row[col["local_stage"]])
-                x_in = read(act_buf, row[col["act_in"]])
-                if vocab_split is not None:
-                    x_in = embed_rows(x_in, vocab_row[0])
-                g_in = read(grad_buf, row[col["grad_in"]])
-                offs = tuple(row[c] for c in stash_cols)
-                # One two-way cond per branch, not one n-way switch: XLA keeps a buffer in place across
-                # a cond whose other side returns it unchanged, where an n-way switch copies every
-                # buffer it passes through (the arenas and accumulators, on every tick). The forwards
-                # come first: a backward that read an arena before a later forward's cond wrote it
-                # would make XLA copy the arena for that write (measured: a copy per tick without
-                # this order). Exactly one cond runs its branch; on an idle tick none does and the
-                # message stays zeros.
-                state = (x_like, arenas, grads, shared_grads, totals)
-                for b in forwards_first:
-                    state = jax.lax.cond(
-                        row[col["branch"]] == b, branches[b - 1], lambda s, *_: s, state, offs, x_in, g_in, micro
-                    )
-                message, arenas, grads, shared_grads, totals = state
-                if vocab_split is not None and forward:
-                    totals = head_loss(totals, message, vocab_row[2])
-                elif vocab_split is not None:
-                    vocab_grads = embed_grads(vocab_grads, message, vocab_row[1])
-                    vocab_grads, grad_buf, totals = head(vocab_grads, grad_buf, totals, message, row, vocab_row[2])
-                act_buf = write(act_buf, message, row[col["local_act"]])
-                grad_buf = write(grad_buf, message, row[col["local_grad"]])
-                for k, offset in enumerate(tick.offsets):
-                    sending = row[col["send"]] == k
-                    outgoing = jax.tree.map(lambda m, s=sending: jnp.where(s, m, jnp.zeros_like(m)), message)
-                    perm = [(r, (r + offset) % pipe_size) for r in range(pipe_size)]
-                    incoming = jax.tree.map(lambda m, p=perm: jax.lax.ppermute(m, "pipe", p), outgoing)
-                    act_col, grad_col = tick.recv_columns(k)
-                    act_buf = write(act_buf, incoming, row[act_col])
-                    grad_buf = write(grad_buf, incoming, row[grad_col])
-                return (act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals), None
-
-            def arena_buffer(key, length, c):
-                dtype_name, space = key
-                if c > 1:
-                    return _vary(as_rows(jnp.zeros((c * length,), jnp.dtype(dtype_name)), c))
-                buf = _vary(jnp.zeros((length,), jnp.dtype(dtype_name)))
-                return jax.device_put(buf, jax.memory.Space.Host) if space == "host" else buf
-
-            def accumulators(local, like):
-                """Zero gradients of the local values' shapes, in the master weights' dtypes."""
-                return jax.tree.map(lambda a, m: _vary(jnp.zeros(a.shape, m.dtype)), local, like)
-
-            def message_buffer(slots):
-                return jax.tree.map(lambda a: _vary(jnp.zeros((slots + 1, *a.shape), a.dtype)), message_spec)
-
-            if forward:  # no gradients to accumulate
-                grads = shared_grads = vocab_grads = None
-            else:
-                grads = tuple(
-                    accumulators(k if keep else t, m)
-                    for t, k, keep, m in zip(stage_params, kept, kept_gathered, master.stages)
-                )
-                shared_grads, vocab_grads = accumulators(shared, master.shared), accumulators(vocab, master.vocab)
-            carry = (
-                message_buffer(tick.act_slots),
-                message_buffer(tick.grad_slots),
-                tuple(arena_buffer(k, n, c) for k, n, c in zip(keys, tick.arena_elems, cuts)),
-                grads,
-                shared_grads,
-                vocab_grads,
-                (zero, zero),
-            )
-            carry, _ = jax.lax.scan(tick_step, carry, (table_local[0], vocab_table))
-            _, _, _, grads, shared_grads, vocab_grads, (loss_sum, weight) = carry
-            loss_sum = jax.lax.psum(loss_sum, AXES)
-            weight = jax.lax.psum(weight, AXES)
-            if forward:
-                return loss_sum / weight
-            scale = tokens_global / weight  # exactly 1 without a loss mask
-
-            def finish(g, p: LeafPlacement, whole: bool = False):
-                """Sum a gradient over the leaf's replicas, reduce-scattering where its state is cut
-                (``whole``: accumulated whole over ``fsdp``, cut back to this device's shard first)."""
-                if whole and p.fsdp_dim is not None:
-                    g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=p.fsdp_dim, tiled=True)
-                for axis, dim in p.scatters():
-                    g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-                if p.sums():
-                    g = jax.lax.psum(g, p.sums())
-                return (g * scale).astype(g.dtype)
-
-            grads = tuple(
-                jax.tree.unflatten(
-                    jax.tree.structure(t), [finish(g[None], p, keep) for g, p in zip(jax.tree.leaves(t), places)]
-                )
-                for t, places, keep in zip(grads, stage_places, kept_gathered)
-            )
-            shared_grads = shared_treedef.unflatten(
-                [finish(g, p) for g, p in zip(jax.tree.leaves(shared_grads), shared_places)]
-            )
-            vocab_grads = jax.tree.unflatten(
-                jax.tree.structure(vocab_grads),
-                [finish(g[None], p) for g, p in zip(jax.tree.leaves(vocab_grads), vocab_places)],
-            )
-            return loss_sum / weight, grads, shared_grads, vocab_grads
+        body = StepBody(self, spec, forward, _counted(spec))
+        placement, abstract = self.placement, body.abstract
 
         def specs(tree, which):
             return jax.tree.map(lambda p: p.spec(which, manual=True), tree, is_leaf=_is_placement)
@@ -1126,7 +667,7 @@ class Pipeline:
                 )
             if self.master_cut:  # master weights given: the stages read them cast (a no-op on a compute copy)
                 params = jax.tree.map(lambda a, c: a.astype(c.dtype), params, abstract)
-            out = sharded(params.stages, params.shared, params.vocab, batch, table, vocab_ticks, rng)
+            out = sharded(params.stages, params.shared, params.vocab, batch, body.table, body.vocab_ticks, rng)
             if forward:
                 return out
             loss, grads, shared_grads, vocab_grads = out
