@@ -165,6 +165,8 @@ def test_a_model_of_your_own_is_named_on_the_command_line(tmp_path, monkeypatch,
     plan = ["plan", "--model", spec, "--devices", "2", "--budget", "1GiB", "--batch-size", "4", "--seq-len", "16"]
     assert main([*plan, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)
+    assert main(["roam", "analyze", "--model", spec, "--batch", "2", "--seq-len", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "user-lm train step (batch 2, seq 16)"
     assert main(["train", "--model", spec, *SMALL, "--steps", "2", "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 2
     for bad, message in (

@@ -548,6 +548,16 @@ def test_the_ledger_and_planner_take_a_models_own_batch():
     assert ledger.ranks[0].categories["stash"].device == arenas > 0
     plan = search(model, devices=2, batch=8, seq=1, budget_bytes=2**30, schedules=("1f1b",), microbatches=[4])
     assert plan.best is not None and plan.best.fits
+    # ROAM plans its plain train step on the same batch (traced abstractly, nothing compiled).
+    from jaxmem.roam import accumulated_train_step, analyze_step, model_train_step
+
+    step = model_train_step(model, batch=8)
+    images = [v for v in step.jaxpr().jaxpr.invars if v.aval.shape == (8, 8, 8, 3)]
+    assert len(images) == 1 and step.name.endswith("train step (batch 8)")
+    record = analyze_step(step, compile_xla=False)
+    assert 0 < record["planned_peak_bytes"] <= record["program_order_peak_bytes"]
+    with pytest.raises(JaxmemError, match="has a batch of its own .images, labels."):
+        accumulated_train_step(model, microbatches=2, batch=4)
 
 
 @pytest.mark.parametrize("name,policy", [("1f1b", "selective"), ("zbv", "recompute-all")])

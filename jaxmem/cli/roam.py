@@ -14,6 +14,7 @@ examples:
   jaxmem roam analyze --model experts --batch 1024      # a multi-branch (parallel experts) model
   jaxmem roam analyze --accumulate 4                    # gradient accumulation written as a loop: order matters
   jaxmem roam analyze --model gpt2-small --loss-chunks 16 --seq-len 1024   # chunked loss head
+  jaxmem roam analyze --model mymodels:vit --batch 64   # a model of your own
 
 Reported apart: the order gain (program order's peak minus the planned peak, both perfectly packed)
 and the layout gain (the caching allocator's smallest device for the planned order minus the planned
@@ -37,7 +38,8 @@ def add_parser(sub) -> None:
         "--model",
         default="tiny",
         help="a model preset (tiny, gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b, "
-        "llama-70b) or experts",
+        "llama-70b), experts, or your own as package.module:attr (a StagedModel or a function returning one; "
+        "traced with its own batch when it declares one)",
     )
     a.add_argument("--batch", type=positive_int, help="batch size (default 4; 1024 for experts)")
     a.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's maximum)")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxmem._errors import JaxmemError
 from jaxmem.models import get_model, make_batch
 
 __all__ = ["TrainStep", "accumulated_train_step", "chunked_loss_train_step", "experts_train_step", "model_train_step"]
@@ -33,7 +34,9 @@ class TrainStep:
         return self.make_args(seed)
 
 
-def _adam_step(loss_of, params, batch_args, name: str, init_params) -> TrainStep:
+def _adam_step(loss_of, params, batch_args, name: str, init_params, *, ids: int = 256) -> TrainStep:
+    """``batch_args``: abstract arrays (or pytrees of them) passed to ``loss_of`` after the parameters;
+    ``ids``: integer leaves of a concrete batch are drawn below it (token ids, class labels)."""
     tx = optax.adam(1e-3)
     opt_state = jax.eval_shape(tx.init, params)
 
@@ -44,39 +47,53 @@ def _adam_step(loss_of, params, batch_args, name: str, init_params) -> TrainStep
 
     def make_args(seed: int):
         real = init_params(seed)
-        keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(batch_args))
+        leaves, treedef = jax.tree.flatten(batch_args)
+        keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
         batch = [
-            jax.random.randint(k, a.shape, 0, 256, a.dtype)
+            jax.random.randint(k, a.shape, 0, ids, a.dtype)
             if jnp.issubdtype(a.dtype, jnp.integer)
             else jax.random.normal(k, a.shape, a.dtype)
-            for k, a in zip(keys, batch_args)
+            for k, a in zip(keys, leaves)
         ]
-        return (real, tx.init(real), *batch)
+        return (real, tx.init(real), *jax.tree.unflatten(treedef, batch))
 
     donated = tuple(range(len(jax.tree.leaves(params)) + len(jax.tree.leaves(opt_state))))
     return TrainStep(name, step, (params, opt_state, *batch_args), donated, make_args)
 
 
-def _language_model(model, seq):
-    """The model (preset name, config or StagedModel), its sequence length (default: its maximum, or
-    64), checked, and its abstract parameters."""
+def _language_model(model, seq, what: str | None = None):
+    """The model (preset name, config, StagedModel or ``package.module:attr``), its sequence length
+    (default: its maximum, or 64), checked, and its abstract parameters. ``what``: a step that only a
+    language model's ``tokens``/``targets`` batch has (refused for a model with its own batch)."""
     model = get_model(model)
+    if what is not None and model.batch_spec is not None:
+        raise JaxmemError(
+            f"{what} slices a language model's tokens and targets; {model.name} has a batch of its own "
+            f"({', '.join(sorted(model.batch_spec(1, 1)))}): analyze its plain train step instead"
+        )
     seq = seq or model.max_seq_len or 64
     model.check_batch(seq)
     return model, seq, model.abstract_params()
 
 
-def model_train_step(model="tiny", *, batch: int = 4, seq: int | None = None) -> TrainStep:
-    """The plain (unpipelined) train step of a model (a preset name, config or StagedModel) with Adam,
-    traced with abstract arrays."""
-    model, seq, params = _language_model(model, seq)
+def _batch(model, batch: int, seq: int) -> dict:
+    """The abstract batch of a step: the model's own (``batch_spec``), or tokens and targets."""
+    if model.batch_spec is not None:
+        return dict(model.batch_spec(batch, seq))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    return make_batch(tokens, tokens)
 
-    def loss_of(p, tokens, targets):
-        return model.plain_loss(p, make_batch(tokens, targets))
 
+def model_train_step(model="tiny", *, batch: int = 4, seq: int | None = None) -> TrainStep:
+    """The plain (unpipelined) train step of a model (a preset name, config, StagedModel or
+    ``package.module:attr``) with Adam, traced with abstract arrays: on tokens and targets, or on the
+    model's own batch when it has one (``StagedModel.batch_spec``, e.g. a classifier's images and
+    labels)."""
+    model, seq, params = _language_model(model, seq)
+    spec = _batch(model, batch, seq)
+    shape = f"batch {batch}, seq {seq}" if model.batch_spec is None else f"batch {batch}"
     return _adam_step(
-        loss_of, params, (tokens, tokens), f"{model.name} train step (batch {batch}, seq {seq})", model.init
+        model.plain_loss, params, (spec,), f"{model.name} train step ({shape})", model.init, ids=model.vocab_size or 1
     )
 
 
@@ -85,7 +102,7 @@ def accumulated_train_step(model="tiny", *, microbatches: int = 4, batch: int = 
     one per slice of the batch, in a Python loop, differentiated as one function. Program order runs
     every microbatch's forward before any backward, so all their activations are alive at once; an
     order that finishes one microbatch's backward before the next forward needs one's."""
-    model, seq, params = _language_model(model, seq)
+    model, seq, params = _language_model(model, seq, "--accumulate")
     tokens = jax.ShapeDtypeStruct((batch * microbatches, seq), jnp.int32)
 
     def loss_of(p, tokens, targets):
@@ -104,7 +121,7 @@ def chunked_loss_train_step(model="tiny", *, chunks: int = 8, batch: int = 4, se
     chunked cross-entropy does), written as a sum over chunks. Program order computes every chunk's
     logits before any chunk's backward; an order that finishes one chunk's head backward before the
     next chunk's logits keeps one chunk's logits alive instead of all."""
-    model, seq, params = _language_model(model, seq)
+    model, seq, params = _language_model(model, seq, "--loss-chunks")
     if seq % chunks:
         raise ValueError(f"seq {seq} is not divisible by chunks {chunks}")
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
