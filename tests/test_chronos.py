@@ -428,7 +428,7 @@ def test_an_under_predicting_ledger_makes_the_planner_fall_back_to_a_pick_that_f
     import dataclasses as dc
 
     from jaxmem.config import TrainConfig
-    from jaxmem.train import _loop, apply_plan
+    from jaxmem.train import _loop
 
     budget = 6 * 2**20
     honest = _loop.search
@@ -445,8 +445,10 @@ def test_an_under_predicting_ledger_makes_the_planner_fall_back_to_a_pick_that_f
     monkeypatch.setattr(_loop, "search", under_predicting)
     lines = []
     config = TrainConfig(plan="auto", budget=budget, devices=4, batch_size=32, seq_len=64, hardware="h100")
-    planned, record = apply_plan(config, log=lines.append)
+    planned, record, trainer = _loop._plan(config, log=lines.append)
     assert record["margin"] == 0.0  # every device is here: compiled and checked instead
+    # The run takes the trainer that compiled its pick, and with it the compiled step.
+    assert trainer.config == planned and trainer._compiled is not None
     confirmed = record["confirmed"]
     (rejected,) = confirmed["rejected"]
     assert rejected["device_bytes"] == int(forced["bad"].device_bytes) and rejected["compiled_bytes"] > budget

@@ -97,6 +97,21 @@ def test_second_step_compiles_nothing(small_trainer, caplog):
     assert state.step == 2
 
 
+def test_a_trainer_compiles_its_step_once(small_trainer, caplog):
+    """The executable compile_abstract() makes (what a planned run compiles to check its pick) is the
+    one the steps run and the compiled-bytes metric reads: nothing compiles the step again (before,
+    the first step compiled it a second time, which at scale costs minutes)."""
+    compiled = small_trainer.compile_abstract()
+    state = small_trainer.init_state()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            state, metrics, _ = small_trainer.step(state)
+            jax.block_until_ready(metrics["loss"])
+        assert small_trainer.compiled(state) is compiled
+    again = [r.getMessage() for r in caplog.records if "Compiling jit(step)" in r.getMessage()]
+    assert again == [], again
+
+
 @pytest.mark.parametrize("vocab_split", [True, False], ids=["vocab-split", "whole-vocab"])
 def test_the_tick_loop_writes_residuals_in_place_and_copies_no_carried_buffer(vocab_split):
     """Each tick writes its forward's residuals into the stash arena in place, one residual at a time,

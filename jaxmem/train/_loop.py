@@ -28,6 +28,13 @@ __all__ = ["TrainingError", "apply_plan", "planned_config", "train"]
 
 def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[TrainConfig, dict]:
     """Replace the pipeline settings of a ``plan="auto"`` config with the configuration search's pick."""
+    config, record, _ = _plan(config, log)
+    return config, record
+
+
+def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
+    """:func:`apply_plan`, and the trainer that compiled the pick to check it (None when nothing was
+    compiled here): the run takes it, and with it the compiled step, instead of compiling it again."""
 
     name = config.hardware_profile()
     devices = config.devices or config.num_devices
@@ -65,14 +72,18 @@ def apply_plan(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
             f"smallest plan needs {need} (pass --budget {need} or more, or more devices)",
             result.smallest_budget,
         )
+    trainers = {}
+
+    def compiled(candidate):
+        trainers[id(candidate)] = Trainer(planned_config(config, candidate, devices))
+        return compiled_bytes(trainers[id(candidate)].compile_abstract())
+
     if here:
         log("plan: compiling the pick to check it fits ...")
-        result = confirm(
-            result, lambda c: compiled_bytes(Trainer(planned_config(config, c, devices)).compile_abstract()), log=log
-        )
+        result = confirm(result, compiled, log=log)
     for line in result.explain(top=3):
         log(line)
-    return planned_config(config, result.best, devices), result.to_json()
+    return planned_config(config, result.best, devices), result.to_json(), trainers.get(id(result.best))
 
 
 def planned_config(config: TrainConfig, best, devices: int) -> TrainConfig:
@@ -173,11 +184,12 @@ def train(
 
     console, log = console_log(progress)
     plan_record = None
+    planned = None
     if config.plan == "auto":
-        config, plan_record = apply_plan(config, log=log)
+        config, plan_record, planned = _plan(config, log)
     if config.adaptive:
         return train_adaptive(config, progress=progress, hooks=hooks)
-    trainer = trainer or Trainer(config)
+    trainer = trainer or planned or Trainer(config)
     config = trainer.config  # with the data's vocabulary
     if _selective_without_quadratic(config, trainer.model):
         log(
