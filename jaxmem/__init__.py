@@ -4,8 +4,9 @@ Schedules (``jaxmem.schedule``) are pure Python and import no JAX; the executor,
 planners and elastic layer import JAX when first used. The names a user reaches for are here too,
 imported on first use: ``jaxmem.TrainConfig``, ``Trainer``, ``Checkpointer``, ``Pipeline``,
 ``make_mesh``, ``get_model``, ``from_nnx``, ``Policy``, ``from_spec``, ``estimate``, ``plan`` (the
-planner, :func:`jaxmem.search.search`), ``AdaptiveProfiler`` and ``choose_recovery``; the training
-loop is :func:`jaxmem.train.train`.
+planner, :func:`jaxmem.search.search`), ``AdaptiveProfiler``, ``choose_recovery``, and ``load_hf`` /
+``save_hf`` (Hugging Face GPT-2 and Llama weights in and out); the training loop is
+:func:`jaxmem.train.train`.
 """
 
 __version__ = "0.1.0"
@@ -36,6 +37,8 @@ _LAZY = {
     "plan": "jaxmem.search",  # jaxmem.search.search: the planner behind `jaxmem plan`
     "AdaptiveProfiler": "jaxmem.profiler",
     "choose_recovery": "jaxmem.elastic",
+    "load_hf": "jaxmem.train",
+    "save_hf": "jaxmem.train",
 }
 
 

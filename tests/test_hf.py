@@ -294,3 +294,20 @@ def test_a_sharded_checkpoint_loads_as_one_file_does(tmp_path):
         JaxmemError, match="model-00002-of-00002.safetensors' .named by model.safetensors.index.json. is missing"
     ):
         load_hf(str(shards))
+
+
+def test_bfloat16_weights_load_as_float32_master_weights_or_as_they_are(tmp_path):
+    """Released checkpoints are bfloat16: by default they become float32 master weights (exactly, a
+    widening); ``param_dtype="bfloat16"`` keeps them as stored."""
+    import ml_dtypes
+
+    model, params, directory, _, _ = _written("llama", tmp_path)
+    stored = safetensors.numpy.load_file(f"{directory}/model.safetensors")
+    half = {k: v.astype(ml_dtypes.bfloat16) for k, v in stored.items()}
+    safetensors.numpy.save_file(half, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    wide, narrow = load_hf(directory), load_hf(directory, param_dtype="bfloat16")
+    assert wide.model.config.param_dtype == "float32" and narrow.model.config.param_dtype == "bfloat16"
+    for a, b, p in zip(jax.tree.leaves(wide.params), jax.tree.leaves(narrow.params), jax.tree.leaves(params)):
+        assert a.dtype == np.float32 and b.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(a, np.asarray(p).astype(ml_dtypes.bfloat16).astype(np.float32))
+        np.testing.assert_array_equal(b.astype(np.float32), a)

@@ -274,18 +274,11 @@ def test_the_planner_prices_and_searches_the_tensor_axis():
     sums = h100.collective_seconds("all_reduce", 4 * 2 * 2 * 32 * 64 * 4, 2)  # layers x mb x two [seq, d]
     assert two.costs.extra(f) - one.costs.extra(f) >= sums > 0
     assert two.ledger.max_device_bytes < one.ledger.max_device_bytes
-    result = search(model, devices=8, budget_bytes=2**30, hardware=h100, batch=16, seq=32, pipes=[2])
+    # One schedule and policy: what is checked is that every tensor size is searched.
+    kw = dict(devices=8, budget_bytes=2**30, hardware=h100, batch=16, seq=32, pipes=[2], policies=("save-all",))
+    result = search(model, **kw, schedules=("1f1b",))
     assert {c.tensor for c in result.candidates} == {1, 2, 4}
-    fixed = search(
-        model,
-        devices=8,
-        budget_bytes=2**30,
-        hardware=h100,
-        batch=16,
-        seq=32,
-        mesh={"data": 1, "fsdp": 1, "pipe": 2, "tensor": 4},
-        policies=("save-all",),
-    )
+    fixed = search(model, **{**kw, "pipes": None}, mesh={"data": 1, "fsdp": 1, "pipe": 2, "tensor": 4})
     assert {(c.pipe, c.data, c.fsdp, c.tensor) for c in fixed.candidates} == {(2, 1, 1, 4)}
 
 
