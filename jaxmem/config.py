@@ -314,9 +314,14 @@ class TrainConfig:
             object.__setattr__(self, "tokenizer", tokenizer_file)
         try:
             with open(path) as f:
-                json.load(f)
-        except ValueError as e:
-            raise JaxmemError(f"--init-from: {path} is not JSON ({e})") from None
+                kind = json.load(f).get("model_type")
+        except (ValueError, AttributeError) as e:
+            raise JaxmemError(f"--init-from: {path} is not a JSON object ({e})") from None
+        if kind not in ("gpt2", "llama"):  # checked in full when the model is built
+            raise JaxmemError(
+                f"--init-from: {path} describes model_type {kind!r}; jaxmem starts from Hugging Face gpt2 "
+                "(GPT2LMHeadModel) and llama (LlamaForCausalLM) directories"
+            )
 
     @property
     def vocab_parallel(self) -> bool | None:

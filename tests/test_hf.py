@@ -262,6 +262,10 @@ def test_extra_tensors_and_other_settings_are_refused(tmp_path):
         TrainConfig(init_from=directory, model="llama-tiny")
     with pytest.raises(JaxmemError, match="no config.json there"):
         TrainConfig(init_from=str(tmp_path))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model_type": "mistral"}')
+    with pytest.raises(JaxmemError, match="model_type 'mistral'; jaxmem starts from"):  # before any data loads
+        TrainConfig(init_from=str(tmp_path / "other"))
     with pytest.raises(JaxmemError, match="sets d_model"):
         config_from_hf(hf_config(model.config), d_model=64)
     _edited(directory, activation_function="gelu_new")
