@@ -293,7 +293,6 @@ class TrainConfig:
             self.build_schedule()  # checked here; built again where used (generating one is cheap)
 
     def _check_init_from(self) -> None:
-        import json
         import os
 
         path = os.path.join(self.init_from, "config.json")
@@ -312,11 +311,7 @@ class TrainConfig:
         if self.tokenizer == "byte" and self.data != "synthetic" and os.path.isfile(tokenizer_file):
             # The model's own tokenizer, unless another was named: byte ids would mean other tokens.
             object.__setattr__(self, "tokenizer", tokenizer_file)
-        try:
-            with open(path) as f:
-                kind = json.load(f).get("model_type")
-        except (ValueError, AttributeError) as e:
-            raise JaxmemError(f"--init-from: {path} is not a JSON object ({e})") from None
+        kind = self._init_from_config().get("model_type")
         if kind not in ("gpt2", "llama"):  # checked in full when the model is built
             raise JaxmemError(
                 f"--init-from: {path} describes model_type {kind!r}; jaxmem starts from Hugging Face gpt2 "
@@ -372,11 +367,19 @@ class TrainConfig:
         return model
 
     def _init_from_config(self) -> dict:
+        """``init_from``'s ``config.json`` (a JSON object, or a clear error)."""
         import json
         import os
 
-        with open(os.path.join(self.init_from, "config.json")) as f:
-            return json.load(f)
+        path = os.path.join(self.init_from, "config.json")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except ValueError as e:
+            raise JaxmemError(f"--init-from: {path} is not JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise JaxmemError(f"--init-from: {path} is not a JSON object")
+        return config
 
     def build_policy(self, model=None, schedule=None, *, budget: float | None = None):
         """The run's :class:`~jaxmem.policy.Policy` (None: save-all). A generated one

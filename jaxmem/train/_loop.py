@@ -72,9 +72,10 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
             f"smallest plan needs {need} (pass --budget {need} or more, or more devices)",
             result.smallest_budget,
         )
-    trainers = {}
+    trainers = {}  # the last candidate compiled: the pick, when it fits
 
     def compiled(candidate):
+        trainers.clear()  # a pick passed over lets go of its trainer and executable
         trainers[id(candidate)] = Trainer(planned_config(config, candidate, devices))
         return compiled_bytes(trainers[id(candidate)].compile_abstract())
 
