@@ -12,8 +12,10 @@ from jaxmem._errors import JaxmemError
 
 __all__ = [
     "LAUNCHER_ENV",
+    "SETTINGS_ENV",
     "die_with_launcher",
     "human_bytes",
+    "launch_settings",
     "load_toml",
     "parse_bytes",
     "parse_int_list",
@@ -139,6 +141,27 @@ def hold_lock(path, busy):
 
 
 LAUNCHER_ENV = "JAXMEM_LAUNCHER_PID"
+# A JSON file of settings a launched worker applies with its command line -- ``defaults`` below its
+# arguments (the run's folders), ``overrides`` above them (a recovery's layout): jaxmem.config.from_args.
+SETTINGS_ENV = "JAXMEM_LAUNCH_SETTINGS"
+
+
+def launch_settings(environ=None) -> dict:
+    """``{"defaults": ..., "overrides": ...}`` that ``jaxmem launch`` gave this worker ({} outside a launch)."""
+    import json
+
+    environ = os.environ if environ is None else environ
+    path = environ.get(SETTINGS_ENV)
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            settings = json.load(f)
+    except (OSError, ValueError) as e:
+        raise JaxmemError(f"cannot read the launcher's settings file {path} ({SETTINGS_ENV}): {e}") from None
+    if not isinstance(settings, dict) or set(settings) - {"defaults", "overrides"}:
+        raise JaxmemError(f"the launcher's settings file {path} holds only 'defaults' and 'overrides'")
+    return settings
 
 
 def die_with_launcher(environ=None) -> None:

@@ -10,7 +10,15 @@ from jaxmem._util import load_toml, parse_bytes, parse_int_list
 from jaxmem.schedule import Schedule, generate, load_csv, validate
 from jaxmem.search import CHRONOS_MOVES
 
-__all__ = ["GENERATED_POLICIES", "TrainConfig", "add_arguments", "from_args", "parse_mesh", "parse_train_args"]
+__all__ = [
+    "GENERATED_POLICIES",
+    "TrainConfig",
+    "add_arguments",
+    "from_args",
+    "parse_mesh",
+    "parse_train_args",
+    "with_overrides",
+]
 
 # Policy names made for a run's layout under a budget (Chronos-Recomp / -Offload / both; see
 # jaxmem.search.evaluate), accepted by --policy beside the presets.
@@ -595,11 +603,13 @@ def add_arguments(p) -> None:
     g.add_argument("--config", help="TOML file with any of these settings; flags override it")
 
 
-def from_args(args) -> TrainConfig:
-    """Merge defaults < TOML file < flags (parsed by :func:`add_arguments`) into a TrainConfig."""
+def from_args(args, *, defaults=None, overrides=None) -> TrainConfig:
+    """Merge defaults < ``defaults`` < TOML file < flags (parsed by :func:`add_arguments`) <
+    ``overrides`` into a TrainConfig. ``defaults`` and ``overrides`` name fields (and ``mesh``, see
+    :func:`with_overrides`): a launched worker's run folders and recovered layout."""
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values: dict = {}
+    values: dict = _overridden({}, defaults, "default")
     if getattr(args, "config", None):
         for key, value in load_toml(args.config).items():
             name = key.replace("-", "_")
@@ -636,7 +646,7 @@ def from_args(args) -> TrainConfig:
             raise JaxmemError(f"--plan auto chooses {flags} itself; drop {flags} (or --plan auto)")
     if values.get("schedule_csv"):
         values["schedule"] = None
-    return TrainConfig(**values)
+    return TrainConfig(**_overridden(values, overrides, "override"))
 
 
 # --mesh axis names and the settings they are.
@@ -667,6 +677,38 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def with_overrides(config: TrainConfig, overrides) -> TrainConfig:
+    """``config`` with settings replaced by name (as :class:`TrainConfig`'s fields), checked as a new
+    configuration. A ``mesh`` entry (``"data=1,pipe=2,tensor=2"`` or a dict of axis sizes) sets the
+    four mesh sizes at once, the axes it leaves out to 1, and drops ``devices`` (the mesh decides
+    them): how ``jaxmem launch`` hands a recovery's next layout to its workers.
+
+    >>> with_overrides(TrainConfig(stages=4, data_parallel=2), {"mesh": "pipe=2", "steps": 9}).stages
+    2
+    """
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**_overridden(values, overrides, "override"))
+
+
+def _overridden(values: dict, overrides, what: str) -> dict:
+    """``values`` (TrainConfig fields by name) updated by ``overrides``, a ``mesh`` entry spread over
+    the mesh sizes (see :func:`with_overrides`)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    new = dict(overrides or {})
+    unknown = sorted(set(new) - fields - {"mesh"})
+    if unknown:
+        raise JaxmemError(f"unknown settings {unknown} to {what}; valid: mesh, {', '.join(sorted(fields))}")
+    mesh = new.pop("mesh", None)
+    if mesh is not None:
+        sizes = parse_mesh(mesh) if isinstance(mesh, str) else {**dict.fromkeys(MESH_FIELDS, 1), **mesh}
+        if set(sizes) - set(MESH_FIELDS):
+            raise JaxmemError(f"a mesh to {what} names axes of {', '.join(MESH_FIELDS)}; got {mesh!r}")
+        new.update({MESH_FIELDS[axis]: int(size) for axis, size in sizes.items()}, devices=None)
+    if isinstance(new.get("layers_per_stage"), list):
+        new["layers_per_stage"] = tuple(new["layers_per_stage"])
+    return {**values, **new}
+
+
 # What --plan auto chooses (jaxmem.train's plan step); setting one of them as well is refused.
 _PLANNED = (
     "schedule",
@@ -681,8 +723,9 @@ _PLANNED = (
 )
 
 
-def parse_train_args(argv) -> TrainConfig:
-    """A TrainConfig from ``jaxmem train``'s command-line arguments (e.g. a launched job's)."""
+def parse_train_args(argv, *, defaults=None, overrides=None) -> TrainConfig:
+    """A TrainConfig from ``jaxmem train``'s command-line arguments (e.g. a launched job's), with
+    ``defaults`` below them and ``overrides`` above (:func:`from_args`)."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
@@ -693,4 +736,4 @@ def parse_train_args(argv) -> TrainConfig:
     add_arguments(parser)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quiet", action="store_true")
-    return from_args(parser.parse_args([str(a) for a in argv]))
+    return from_args(parser.parse_args([str(a) for a in argv]), defaults=defaults, overrides=overrides)

@@ -734,22 +734,51 @@ def test_train_joins_a_slurm_job_by_its_environment(tmp_path, monkeypatch):
     np.testing.assert_allclose(records[0]["losses"], reference, rtol=1e-5)
 
 
-def test_the_workers_keep_every_argument_the_user_passed(tmp_path):
-    """A value-less switch (``--json``, ``--quiet``) is dropped alone, not with the token after it,
-    and a folder given as ``--flag=value`` is not given twice."""
+def test_the_workers_get_the_users_arguments_and_the_launchers_settings_apart(tmp_path):
+    """The workers' arguments are the user's as given (no argument list edited); the launcher's
+    settings come from a file (``JAXMEM_LAUNCH_SETTINGS``): the run's folders below the arguments
+    (the user's own win), a recovery's mesh and layer split above them (replacing every mesh setting)."""
     from pathlib import Path
 
-    from jaxmem.config import parse_train_args
-    from jaxmem.elastic._launcher import _worker_args
+    from jaxmem._util import SETTINGS_ENV, launch_settings
+    from jaxmem.config import parse_train_args, with_overrides
+    from jaxmem.elastic._launcher import _run_defaults
 
     run = Path(tmp_path)
-    args = _worker_args(["--json", "--steps", "12", "--quiet", "--no-zero", "--checkpoint-dir=ck"], run)
-    assert args.count("--json") == 1 and args.count("--quiet") == 1 and "--no-zero" in args
-    assert args[args.index("--steps") + 1] == "12" and not any(a == "--checkpoint-dir" for a in args)
-    config = parse_train_args(args)
-    assert config.steps == 12 and config.checkpoint_dir == "ck" and not config.zero
-    assert config.sample_log == str(run / "samples.log")
-    assert parse_train_args(_worker_args(["--steps", "3", "--json"], run)).checkpoint_dir == str(run / "checkpoints")
+    args = [
+        "--steps",
+        "12",
+        "--no-zero",
+        "--checkpoint-dir=ck",
+        "--stages",
+        "4",
+        "--devices",
+        "4",
+        "--restore-step",
+        "3",
+    ]
+    settings = run / "attempt-1.json"
+    recovered = {"mesh": "data=2,pipe=2", "layers_per_stage": [3, 5]}
+    settings.write_text(json.dumps({"defaults": _run_defaults(run), "overrides": recovered}))
+    config = parse_train_args(args, **launch_settings({SETTINGS_ENV: str(settings)}))
+    assert (config.steps, config.checkpoint_dir, config.zero, config.sample_log) == (
+        12,
+        "ck",
+        False,
+        str(run / "samples.log"),
+    )
+    assert (config.data_parallel, config.stages, config.fsdp, config.tensor, config.devices) == (2, 2, 1, 1, None)
+    assert config.layers_per_stage == (3, 5)
+    # --restore-step needs a checkpoint folder: the run's, when the user gave none.
+    config = parse_train_args(["--restore-step", "3"], defaults=_run_defaults(run))
+    assert config.checkpoint_dir == str(run / "checkpoints")
+    assert with_overrides(config, recovered).stages == 2
+    assert launch_settings({}) == {}
+    with pytest.raises(JaxmemError, match="unknown settings \\['stage'\\] to override"):
+        with_overrides(config, {"stage": 2})
+    settings.write_text("{not json")
+    with pytest.raises(JaxmemError, match="cannot read the launcher's settings file"):
+        launch_settings({SETTINGS_ENV: str(settings)})
 
 
 def test_the_coordinator_listens_on_the_jobs_address_only(tmp_path):
@@ -799,10 +828,10 @@ def test_a_second_launch_into_a_live_run_dir_touches_nothing(tmp_path):
 def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
     """A run on fsdp and tensor axes recovers onto meshes that keep its tensor cut, count every axis
     against the surviving devices, and carry each layout's predicted bytes; a layout over --budget is
-    scored but not run; the next attempt gets the whole mesh in one --mesh."""
+    scored but not run; the next attempt gets the whole mesh in one override."""
     from jaxmem.config import parse_train_args
     from jaxmem.elastic import RecoveryError
-    from jaxmem.elastic._launcher import _recovered_args
+    from jaxmem.elastic._launcher import _recovered_overrides
 
     config = TrainConfig(
         model="llama-tiny", stages=2, fsdp=2, tensor=2, microbatches=2, batch_size=8, seq_len=32, steps=100
@@ -833,10 +862,10 @@ def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
     assert "shrink-data-parallel" not in both
 
     args = ["--model", "llama-tiny", "--mesh", "fsdp=2,pipe=2,tensor=2", "--devices", "8", "--steps", "9"]
-    again = parse_train_args(_recovered_args(args, fewer))
+    again = parse_train_args(args, overrides=_recovered_overrides(fewer))
     assert (again.data_parallel, again.fsdp, again.stages, again.tensor, again.steps) == (1, 1, 2, 2, 9)
     args = ["--stages", "2", "--fsdp", "2", "--tensor", "2", "--model", "llama-tiny"]
-    again = parse_train_args(_recovered_args(args, by_name["re-partition"]))
+    again = parse_train_args(args, overrides=_recovered_overrides(by_name["re-partition"]))
     assert (again.stages, again.fsdp, again.tensor, tuple(again.layers_per_stage)) == (1, 2, 2, (8,))
 
 
@@ -845,7 +874,7 @@ def test_recovery_of_a_run_with_several_stages_per_rank_splits_every_stage(sched
     """Layer counts cover the schedule's P x V stages (they covered P ranks: planning failed with
     'lists 2 stages, but the schedule has 4'), and the next attempt's arguments run."""
     from jaxmem.config import parse_train_args
-    from jaxmem.elastic._launcher import _recovered_args
+    from jaxmem.elastic._launcher import _recovered_overrides
 
     config = TrainConfig(schedule=schedule, virtual=virtual, stages=2, data_parallel=2, microbatches=4, steps=20)
     plan = _plan(config, spares=0, failed=[3])
@@ -854,5 +883,5 @@ def test_recovery_of_a_run_with_several_stages_per_rank_splits_every_stage(sched
     assert by_name["re-partition"].layers_per_stage == (4, 4) and "reroute" not in by_name
     args = ["--schedule", schedule, "--stages", "2", "--data-parallel", "2", "--microbatches", "4"]
     args += ["--virtual", str(virtual)] if virtual else []
-    again = parse_train_args(_recovered_args(args, by_name["re-partition"]))
+    again = parse_train_args(args, overrides=_recovered_overrides(by_name["re-partition"]))
     assert (again.stages, again.build_schedule().num_stages, again.layers_per_stage) == (1, 2, (4, 4))

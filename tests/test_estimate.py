@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE, estimate
+from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE, estimate, model_facts
 from jaxmem.models import get_model
 from jaxmem.schedule import generate
 
@@ -69,3 +69,72 @@ def test_an_overlapped_offload_costs_only_its_excess(seconds):
     excess = max(2 * seconds - 1.0, 0.0)
     assert result.exposed_transfer == pytest.approx((excess,))
     assert result.makespan == pytest.approx(simulate(schedule, Costs(f=1, b=2)).makespan + excess)
+
+
+@pytest.mark.parametrize("fetch", [0.5, 1.5, 2.5])
+def test_a_weights_fetch_overlaps_the_action_before_it(fetch):
+    """One rank, F0 F1 B0 B1 (F 1 s, B 2 s), ``fetch`` seconds of weights from host before each
+    action: the first waits for its whole fetch, each later one only for what the action before it
+    (1, 1 and 2 s) does not cover."""
+    from jaxmem.schedule import Costs, simulate
+
+    schedule = generate("gpipe", 1, 2)
+    result = simulate(schedule, Costs(f=1, b=2, fetch_fn=lambda action: fetch, host_bandwidth=1.0))
+    exposed = fetch + 2 * max(fetch - 1, 0.0) + max(fetch - 2, 0.0)
+    assert result.exposed_transfer == pytest.approx((exposed,))
+    assert result.makespan == pytest.approx(6.0 + exposed)
+    assert result.transfer_busy == pytest.approx((4 * fetch,))
+
+
+def test_host_state_is_priced_as_the_executor_moves_it():
+    """Optimizer state on host: the update reads and writes back each device's moments, after the
+    tick loop (added in full to the step); weights on host: fetched for every action of their stage
+    (in the simulation, overlapped), and read and written back by the update. A host link shared by
+    two devices halves each one's share."""
+    model = get_model("tiny")
+    schedule = generate("1f1b", 2, 4)
+    layout = dict(batch=BATCH, seq=SEQ)
+    h100 = HARDWARE["h100"]
+    save = estimate(model, schedule, "save-all", hardware=h100, **layout)
+    state = estimate(model, schedule, "offload-optimizer-state", hardware=h100, **layout)
+    layer = model_facts(model).layer_bytes  # one layer's parameters (float32, as its two moments)
+    stage = model.n_layers // 2 * layer
+    assert state.state_transfer_seconds == pytest.approx(2 * 2 * stage / h100.host_bandwidth)
+    assert state.simulation.makespan == pytest.approx(save.simulation.makespan)
+    assert state.step_seconds == pytest.approx(save.step_seconds + state.state_transfer_seconds)
+    shared = estimate(
+        model, schedule, "offload-optimizer-state", hardware=dataclasses.replace(h100, host_link_devices=2), **layout
+    )
+    assert shared.state_transfer_seconds == pytest.approx(2 * state.state_transfer_seconds)
+
+    weights = estimate(model, schedule, "offload-weights", hardware=h100, **layout)
+    for rank in range(2):
+        actions = len(schedule.actions(rank))
+        assert weights.simulation.transfer_busy[rank] == pytest.approx(actions * stage / h100.host_bandwidth)
+    assert weights.state_transfer_seconds == pytest.approx(2 * stage / h100.host_bandwidth)
+    assert weights.simulation.makespan >= save.simulation.makespan + stage / h100.host_bandwidth  # the first fetch
+
+
+def test_the_chronos_moves_are_priced_by_the_estimator():
+    """A move's seconds per byte is the estimator's: the step with the move everywhere against
+    save-all, over the device bytes it frees (offload-stash: 0, only where its round trip hides)."""
+    from jaxmem.search import chronos_moves
+
+    model = get_model("tiny")
+    schedule = generate("chronos", 4, 8)
+
+    def run(policy):
+        return estimate(model, schedule, policy, batch=BATCH, seq=SEQ, hardware="h100")
+
+    names = ("offload-stash", "selective", "recompute-all", "offload-optimizer-state", "offload-weights")
+    moves = {m.name: m.seconds_per_byte for m in chronos_moves(run, names)}
+    assert moves["offload-stash"] == 0.0
+    base = run("save-all")
+    for name in names[1:]:
+        moved = run(name)
+        assert moved.device_bytes < base.device_bytes
+        assert moves[name] == pytest.approx(
+            (moved.step_seconds - base.step_seconds) / (base.device_bytes - moved.device_bytes)
+        )
+    # Fetching a stage's weights for every action makes them the dearest move.
+    assert moves["offload-weights"] == max(moves.values())

@@ -43,11 +43,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from jaxmem._util import die_with_launcher
+    from jaxmem._util import die_with_launcher, launch_settings
     from jaxmem.config import from_args
 
     die_with_launcher()  # a launched worker: stop with its launcher, however that dies
-    config = from_args(args)
+    config = from_args(args, **launch_settings())  # a launched worker: the run's folders and layout
     setup_devices(config.devices or config.num_devices)
     if config.plan == "auto" and not config.devices:
         import dataclasses

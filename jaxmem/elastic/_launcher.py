@@ -63,6 +63,7 @@ class Attempt:
     first_step_at: float | None = None
     failed_rank: int | None = None
     failed_at: float | None = None
+    overrides: dict = dataclasses.field(default_factory=dict)  # settings applied over ``args`` (a recovery's)
     exit_codes: list = dataclasses.field(default_factory=list)
     strategy: dict | None = None
     measured_step_seconds: float | None = None  # the pre-failure step that calibrated the planner
@@ -93,30 +94,11 @@ class LaunchResult:
         }
 
 
-def _with_flag(args: list, flag: str, value) -> list:
-    """Replace (or add) ``flag value`` in an argument list."""
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a == flag:
-            skip = True
-            continue
-        if a.startswith(flag + "="):
-            continue
-        out.append(a)
-    return out + ([flag, str(value)] if value is not None else [])
-
-
-def _recovered_args(args: list, choice) -> list:
-    """The worker arguments of a recovery's next attempt: the strategy's whole mesh in one ``--mesh``
-    (any mesh flag of the user's replaced, so none conflicts with it) and its layer split."""
-    for flag in ("--stages", "--data-parallel", "--fsdp", "--tensor", "--devices"):
-        args = _with_flag(args, flag, None)
-    args = _with_flag(args, "--mesh", choice.mesh)
-    split = ",".join(map(str, choice.layers_per_stage)) if choice.layers_per_stage else None
-    return _with_flag(args, "--layers-per-stage", split)
+def _recovered_overrides(choice) -> dict:
+    """The settings a recovery's next attempt runs with: the strategy's whole mesh (replacing every
+    mesh setting of the user's, and the device count) and its layer split."""
+    split = list(choice.layers_per_stage) if choice.layers_per_stage else None
+    return {"mesh": choice.mesh, "layers_per_stage": split}
 
 
 def _hold_run_dir(run: Path):
@@ -131,16 +113,10 @@ def _hold_run_dir(run: Path):
     return hold_lock(run / ".jaxmem-launch.lock", busy)
 
 
-def _worker_args(train_args, run: Path) -> list:
-    """The workers' ``jaxmem train`` arguments: the user's, with the run's checkpoint folder and
-    sample log unless given, and ``--json --quiet`` once (the user's own switches dropped, alone:
-    they take no value)."""
-    args = [a for a in train_args if a not in ("--json", "--quiet")]
-    if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in args):
-        args = _with_flag(args, "--checkpoint-dir", run / "checkpoints")
-    if not any(a == "--sample-log" or a.startswith("--sample-log=") for a in args):
-        args = _with_flag(args, "--sample-log", run / "samples.log")
-    return args + ["--json", "--quiet"]
+def _run_defaults(run: Path) -> dict:
+    """The run's folders, for the workers unless the user gives their own: the checkpoints and the
+    sample log under the run dir."""
+    return {"checkpoint_dir": str(run / "checkpoints"), "sample_log": str(run / "samples.log")}
 
 
 def read_heartbeat(path: Path) -> tuple[int | None, float | None]:
@@ -173,8 +149,10 @@ def launch(
     """Run ``jaxmem train <train_args>`` on ``nprocs`` processes; restart after failures.
 
     Args:
-        train_args: the train command's arguments (a checkpoint dir and a sample log are added under
-            ``run_dir`` when missing).
+        train_args: the train command's arguments, passed to every worker as they are; the workers
+            take the launcher's settings with them (a checkpoint folder and a sample log under
+            ``run_dir`` unless given; after a recovery, its mesh and layer split over them), which
+            the launcher writes to ``attempt-K.json`` in the run dir (:func:`jaxmem.config.from_args`).
         nprocs: worker processes.
         devices_per_proc: devices each worker drives (virtual CPU devices here).
         heartbeat_seconds: a worker whose heartbeat is older than this (after its first step) is failed.
@@ -208,8 +186,10 @@ def launch(
     if nprocs > limit:
         raise JaxmemError(f"--nprocs {nprocs} is more than this machine can start ({limit} at most here)")
     run = Path(run_dir or f"runs/launch-{int(time.time())}").absolute()
-    args = _worker_args(train_args, run)
-    parse_train_args(args)  # the workers' train arguments, checked before any file is made
+    args = [str(a) for a in train_args] + ["--json", "--quiet"]  # the workers' arguments, as given
+    defaults = _run_defaults(run)
+    parse_train_args(args, defaults=defaults)  # checked before any file is made
+    overrides: dict = {}
     run.mkdir(parents=True, exist_ok=True)
     held = _hold_run_dir(run)  # before any log or heartbeat file is touched
     attempts: list[Attempt] = []
@@ -221,7 +201,7 @@ def launch(
     previous = _forward_signals()
     try:
         for attempt_index in range(max_restarts + 1):
-            config = parse_train_args(args)
+            config = parse_train_args(args, defaults=defaults, overrides=overrides)
             needed = config.num_devices
             if needed > current_nprocs * devices_per_proc:
                 raise JaxmemError(
@@ -230,8 +210,10 @@ def launch(
                     f"{devices_per_proc} device(s) are running; pass --nprocs / --devices-per-proc to match"
                 )
             port = _free_port()
-            attempt = Attempt(current_nprocs, list(args), time.time())
+            attempt = Attempt(current_nprocs, list(args), time.time(), overrides=dict(overrides))
             attempts.append(attempt)
+            settings = run / f"attempt-{attempt_index}.json"
+            settings.write_text(json.dumps({"defaults": defaults, "overrides": overrides}, indent=2) + "\n")
             log(
                 f"attempt {attempt_index + 1}: {current_nprocs} process(es) x {devices_per_proc} device(s), "
                 f"mesh data={config.data_parallel},fsdp={config.fsdp},pipe={config.stages},tensor={config.tensor}"
@@ -243,6 +225,7 @@ def launch(
                 args,
                 run,
                 attempt_index,
+                settings=settings,
                 port=port,
                 nprocs=current_nprocs,
                 devices_per_proc=devices_per_proc,
@@ -323,7 +306,7 @@ def launch(
             if choice.name == "restart-on-spares":
                 spares -= 1
             current_nprocs = choice.nprocs
-            args = _recovered_args(args, choice)
+            overrides = {**overrides, **_recovered_overrides(choice)}
         return LaunchResult(False, attempts, str(run), None)
     except LaunchInterrupted as e:
         log(f"launcher got {signal.Signals(e.signum).name}: stopping the workers (each saves its current step)")
@@ -339,11 +322,23 @@ _TIMED_OUT = -1  # what _watch returns for the failed rank when the launch's dea
 
 
 def _start_workers(
-    procs: list, args, run: Path, attempt_index: int, *, port, nprocs, devices_per_proc, heartbeat_seconds, failures
+    procs: list,
+    args,
+    run: Path,
+    attempt_index: int,
+    *,
+    settings: Path,
+    port,
+    nprocs,
+    devices_per_proc,
+    heartbeat_seconds,
+    failures,
 ) -> list[Path]:
-    """Start one attempt's ``nprocs`` workers (``jaxmem train <args>``, appended to ``procs`` as they
-    start, so a signal stops the ones already running) with their distributed-job environment; an
-    injected failure in ``failures`` is handed to its rank. Returns the workers' heartbeat files."""
+    """Start one attempt's ``nprocs`` workers (``jaxmem train <args>`` with the settings file
+    ``settings``; appended to ``procs`` as they start, so a signal stops
+    the ones already running) with their distributed-job environment; an injected failure in
+    ``failures`` is handed to its rank. Returns the workers' heartbeat files."""
+    from jaxmem._util import SETTINGS_ENV
     from jaxmem.elastic._worker import FAIL_AT_ENV, HEARTBEAT_ENV, LAUNCHER_ENV
 
     heartbeats = []
@@ -358,6 +353,7 @@ def _start_workers(
                 "JAXMEM_HEARTBEAT_SECONDS": str(max(5, int(heartbeat_seconds))),
                 "XLA_FLAGS": with_host_devices(os.environ.get("XLA_FLAGS", ""), devices_per_proc),
                 LAUNCHER_ENV: str(os.getpid()),
+                SETTINGS_ENV: str(settings),
             }
         )
         env.pop(FAIL_AT_ENV, None)

@@ -102,6 +102,9 @@ class Hardware:
             constants include the exchanges of its virtual devices).
         network_bandwidth: bytes/s one device sends to devices of other nodes, achieved.
         devices_per_node: devices sharing the fast link.
+        host_link_devices: devices whose host transfers share one host link (e.g. two GPUs behind one
+            PCIe switch). Each transfer is priced at :attr:`host_share`, what a device gets when all
+            of them transfer at once: a bound, since the model does not track when the others idle.
         note: where the figures come from.
     """
 
@@ -116,11 +119,17 @@ class Hardware:
     link_bandwidth: float | None = None
     network_bandwidth: float | None = None
     devices_per_node: int = 8
+    host_link_devices: int = 1
     note: str = ""
 
     @property
     def flops_per_second(self) -> float:
         return self.peak_flops * self.efficiency
+
+    @property
+    def host_share(self) -> float:
+        """Bytes/s of host transfer one device gets, its link shared by ``host_link_devices``."""
+        return self.host_bandwidth / max(1, self.host_link_devices)
 
     @property
     def oversubscribed(self) -> float:
@@ -357,6 +366,14 @@ def step_costs(
         for s in range(schedule.num_stages)
         for m in range(schedule.num_microbatches)
     )
+    # Weights kept on host come to the device for every action that runs their stage (the executor
+    # fetches them inside the action), prefetched while the rank runs the action before it.
+    on_host = [resolved.offload_weights(s) for s in range(schedule.num_stages)]
+    fetch_fn = None
+    if any(on_host):
+        shard = facts.static_bytes(ranks, 1, fsdp=fsdp, tensor=tensor).stage_params[0]  # one layer, per device
+        fetch = [layer_counts[s] * shard if on_host[s] else 0.0 for s in range(schedule.num_stages)]
+        fetch_fn = lambda a: fetch[a.stage]  # noqa: E731
     return Costs(
         f=1.0,
         i=1.0,
@@ -366,29 +383,49 @@ def step_costs(
         extra=extra,
         activation_fn=lambda s, m: cell(s, m)[1] + cell(s, m)[2],
         offload_fn=(lambda s, m: cell(s, m)[2]) if any_host else None,
-        host_bandwidth=hardware.host_bandwidth if any_host else None,
+        fetch_fn=fetch_fn,
+        host_bandwidth=hardware.host_share if any_host or fetch_fn else None,
     )
 
 
 def state_transfer_seconds(
-    model, schedule: Schedule, resolved, layer_counts, hardware, optimizer_moments: int = 2, facts=None
+    model,
+    schedule: Schedule,
+    resolved,
+    layer_counts,
+    hardware,
+    optimizer_moments: int = 2,
+    facts=None,
+    *,
+    data_parallel: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    zero: bool = True,
 ) -> float:
-    """Per step and rank, host-link time for offloaded weights (fetched, written back after the update)
-    and optimizer state (read and written by the update). Charged in full, as if nothing overlapped
-    it (an upper bound; the Chronos-Offload planner places these transfers)."""
+    """Seconds of the update's host traffic, the slowest rank's: the executor's update runs after the
+    tick loop, so nothing overlaps it. Per stage whose weights are on host, they are read and the
+    new values written back; per stage whose optimizer state is on host, its moments are read and
+    written back; each device's share of them (cut over fsdp, tensor and, for the state, ZeRO), at
+    its share of the host link. The weights' fetches for each action are not here: the simulator
+    overlaps them with the action before (:func:`step_costs`)."""
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
 
     facts = facts or model_facts(get_model(model))
     hardware = get_hardware(hardware)
-    stage_bytes = facts.stage_param_bytes(max(max(layer_counts), 1))
-    seconds = 0.0
-    for stage in schedule.stages_of(0):
-        if resolved.offload_weights(stage):
-            seconds += 2 * stage_bytes / hardware.host_bandwidth
-        if resolved.offload_optimizer_state(stage):
-            seconds += 2 * optimizer_moments * stage_bytes / hardware.host_bandwidth
-    return seconds
+    one = facts.static_bytes(schedule.num_ranks, 1, data=data_parallel, fsdp=fsdp, tensor=tensor, zero=zero)
+    weights, state = one.stage_params[0], optimizer_moments * one.stage_state[0]  # one layer, per device
+
+    def rank_bytes(rank: int) -> float:
+        total = 0.0
+        for stage in schedule.stages_of(rank):
+            if resolved.offload_weights(stage):
+                total += 2 * layer_counts[stage] * weights
+            if resolved.offload_optimizer_state(stage):
+                total += 2 * layer_counts[stage] * state
+        return total
+
+    return max(rank_bytes(r) for r in range(schedule.num_ranks)) / hardware.host_share
 
 
 def gradient_sync_seconds(
@@ -467,7 +504,8 @@ class Estimate:
         simulation: the schedule simulated with those costs.
         step_seconds: the simulated makespan (on shared CPU cores: the lockstep model's step) plus
             offloaded-state transfers and the gradient synchronisation.
-        state_transfer_seconds: the offloaded-state transfers.
+        state_transfer_seconds: the update's host traffic for offloaded weights and optimizer state
+            (not overlapped; the weights' fetches before each action are in the simulation).
         sync_seconds: the gradient synchronisation (:func:`gradient_sync_seconds`).
         tokens_per_second: ``batch * seq / step_seconds``.
     """
@@ -574,7 +612,18 @@ def estimate(
         master_cut=cut,
     )
     simulation = simulate(schedule, costs)
-    transfers = state_transfer_seconds(model, schedule, resolved, counts, hardware, facts=facts)
+    transfers = state_transfer_seconds(
+        model,
+        schedule,
+        resolved,
+        counts,
+        hardware,
+        facts=facts,
+        data_parallel=data_parallel,
+        fsdp=fsdp,
+        tensor=tensor,
+        zero=zero,
+    )
     compute = simulation.makespan
     if hardware.cores:  # the CPU runs the lockstep executor, its devices sharing the cores
         compute = hardware.oversubscribed * shared_core_step_seconds(

@@ -8,13 +8,17 @@ The paper's exact rules were not available to us; this is our reconstruction, on
 
 - reuse distance of (stage, microbatch) = how long its activation waits, end of F to start of its
   backward, in the schedule simulated with the step's costs;
-- memory "moves", each with a time cost per byte saved:
-  * offload the stash of a cell whose wait covers the round trip on the host link (free: it hides
-    behind compute; the simulator charges whatever does not),
+- memory "moves", each with a time cost per byte saved, read from the one estimator
+  (:func:`jaxmem.search.chronos_moves`: the step with the move applied everywhere against
+  save-all, over the bytes it frees):
+  * offload the stash of a cell whose wait covers the round trip on the host link (priced 0: it
+    hides behind compute; the simulator charges whatever does not),
   * selective recompute of a cell (recompute the attention probabilities only),
   * full recompute of a cell (keep only the stage input),
-  * optimizer state on host (read and written back by the update; charged in full),
-  * weights on host (fetched and written back each step; charged in full);
+  * optimizer state on host (read and written back by the update, after the tick loop: nothing
+    overlaps it),
+  * weights on host (fetched for every action that runs the stage, overlapped with the rank's
+    action before it, and read and written back by the update);
 - moves are applied cheapest per byte first; within a cell move, the longest-waiting cells go first,
   and a binary search finds how few are needed; a move is used fully before the next one starts.
 

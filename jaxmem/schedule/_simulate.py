@@ -40,12 +40,17 @@ class Costs:
             of F to the end of the freeing backward; overrides ``activation_bytes``.
         offload_fn: optional ``offload_fn(stage, microbatch) -> bytes`` of that activation moved to
             host after its F and brought back before its backward.
-        host_bandwidth: bytes per time unit of each rank's host link (needed with ``offload_fn``).
+        fetch_fn: optional ``fetch_fn(action) -> bytes`` brought from host to device before the action
+            (a stage's weights kept on host, fetched for each action that runs the stage).
+        host_bandwidth: bytes per time unit of each rank's host link (needed with ``offload_fn`` or
+            ``fetch_fn``).
 
     Transfers run on one copy channel per rank, in request order: the offload starts when F ends;
-    the prefetch starts when the rank starts the action just before the backward (so it overlaps
-    that action), after the offload. A backward waits for its prefetch: any transfer time that does
-    not overlap compute delays it, and the simulation charges it.
+    the prefetch of a backward's stash and the fetch of an action's weights start when the rank
+    starts the action before it (so they overlap that action), after what the channel already
+    carries; a rank's first action's fetch is requested when the step starts. An action waits for
+    its transfers: only the part of a transfer that no compute overlaps delays it, and the
+    simulation charges that part (``exposed_transfer``).
     """
 
     f: float = 1.0
@@ -58,6 +63,7 @@ class Costs:
     extra: Callable[[Action], float] | None = dataclasses.field(default=None, compare=False)
     activation_fn: Callable[[int, int], float] | None = dataclasses.field(default=None, compare=False)
     offload_fn: Callable[[int, int], float] | None = dataclasses.field(default=None, compare=False)
+    fetch_fn: Callable[[Action], float] | None = dataclasses.field(default=None, compare=False)
     host_bandwidth: float | None = None
 
     def __post_init__(self):
@@ -74,8 +80,9 @@ class Costs:
             raise JaxmemError(f"Costs.activation_bytes must be a finite number >= 0, got {self.activation_bytes!r}")
         if self.stage_weights is not None:
             object.__setattr__(self, "stage_weights", tuple(float(x) for x in self.stage_weights))
-        if self.offload_fn is not None and not (self.host_bandwidth and self.host_bandwidth > 0):
-            raise JaxmemError("Costs.offload_fn needs host_bandwidth > 0 (bytes per time unit)")
+        transfers = self.offload_fn is not None or self.fetch_fn is not None
+        if transfers and not (self.host_bandwidth and self.host_bandwidth > 0):
+            raise JaxmemError("Costs.offload_fn and Costs.fetch_fn need host_bandwidth > 0 (bytes per time unit)")
 
     @property
     def tracks_bytes(self) -> bool:
@@ -126,7 +133,7 @@ class SimulationResult:
         timeline_bytes / peak_activation_bytes: the same in bytes, when costs carry activation bytes
             (offloaded bytes leave the device between the end of their offload and the start of their
             prefetch).
-        exposed_transfer: per rank, the time backwards waited for their prefetch.
+        exposed_transfer: per rank, the time actions waited for their prefetch or fetch.
         transfer_busy: per rank, the time its host link was busy.
     """
 
@@ -218,6 +225,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     finish: dict[Action, float] = {}
     offload_end: dict[tuple[int, int], float] = {}
     prefetch: dict[tuple[int, int], tuple[float, float]] = {}
+    fetched: dict[Action, float] = {}  # when an action's fetch from host ends
     durations: dict = {}  # per (kind, stage) when costs has no per-action extra
 
     def duration_of(action: Action) -> float:
@@ -233,17 +241,29 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
             return 0.0
         return float(costs.offload_fn(stage, mb)) / costs.host_bandwidth
 
+    def fetch(action: Action, rank: int, requested: float) -> None:
+        seconds = float(costs.fetch_fn(action)) / costs.host_bandwidth if costs.fetch_fn is not None else 0.0
+        if seconds > 0:
+            begin = max(requested, channel_free[rank])
+            fetched[action] = channel_free[rank] = begin + seconds
+            transfer_busy[rank] += seconds
+
+    seen_ranks: set[int] = set()
     for action, rank, deps, nxt in walk:
+        if rank not in seen_ranks:  # the rank's first action: its fetch is requested at the start
+            seen_ranks.add(rank)
+            fetch(action, rank, 0.0)
         ready = rank_free[rank]
         for dep in deps:
             hop = costs.comm if rank_of[dep.stage] != rank else 0.0
             ready = max(ready, finish[dep] + hop)
         key = (action.stage, action.microbatch)
+        arrived = fetched.get(action, 0.0)
         if action.kind in (Kind.B, Kind.I) and key in prefetch:
-            waited = prefetch[key][1] - ready
-            if waited > 0:
-                exposed[rank] += waited
-                ready = prefetch[key][1]
+            arrived = max(arrived, prefetch[key][1])
+        if arrived > ready:
+            exposed[rank] += arrived - ready
+            ready = arrived
         duration = duration_of(action)
         start[action] = ready
         finish[action] = ready + duration
@@ -259,6 +279,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
                 prefetch[nkey] = (begin, begin + seconds)
                 channel_free[rank] = begin + seconds
                 transfer_busy[rank] += seconds
+            fetch(nxt, rank, start[action])
         if action.kind is Kind.F:
             seconds = transfer_seconds(*key)
             if seconds > 0:
@@ -266,7 +287,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
                 offload_end[key] = begin + seconds
                 channel_free[rank] = begin + seconds
                 transfer_busy[rank] += seconds
-    origin = min(start.values(), default=0.0)
+    origin = 0.0  # the step starts at 0 (a first action may wait for its weights from host)
     makespan = max(finish.values(), default=0.0) - origin
     total = schedule.num_ranks * makespan
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0

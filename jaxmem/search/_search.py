@@ -179,37 +179,23 @@ CHRONOS_MOVES = {
 }
 
 
-def chronos_moves(model, schedule, counts, *, microbatch: int, seq: int, hardware, allowed, facts=None) -> list:
-    """The memory moves with their cost in seconds per byte saved, for a typical (middle) stage."""
-    from jaxmem.memory import model_facts
-    from jaxmem.policy import PRESETS, Move
+def chronos_moves(run, allowed) -> list:
+    """The memory moves with their price in seconds per byte saved, each read from the one estimator:
+    ``run(policy)`` (:func:`jaxmem.memory.estimate` of the configuration under a policy) with the
+    move applied to every stage and microbatch, against save-all -- the step's extra seconds over
+    the device bytes it frees. ``offload-stash`` is priced 0: the generator offloads only cells whose
+    wait hides the round trip, and the simulator charges whatever does not hide."""
+    from jaxmem.policy import Move
 
-    facts = facts or model_facts(model)
-    stage = min(1, schedule.num_stages - 1)
-
-    def stage_facts(name):
-        return facts.stage(
-            first=stage == 0,
-            last=False,
-            layers=counts[stage],
-            policy=PRESETS[name].bind(model.tags),
-            microbatch=microbatch,
-            seq=seq,
-        )
-
-    save = stage_facts("save-all").stash_bytes("device")
+    base = run("save-all")
     moves = []
     for name in allowed:
         if name == "offload-stash":
-            seconds_per_byte = 0.0  # only cells whose wait hides the round trip
-        elif name in ("selective", "recompute-all"):
-            moved = stage_facts(name)
-            saved = max(save - moved.stash_bytes("device"), 1)
-            seconds_per_byte = moved.recompute_flops / hardware.flops_per_second / saved
-        else:
-            # Read and written back once per step: two link crossings per byte kept on host.
-            seconds_per_byte = 2.0 / hardware.host_bandwidth
-        moves.append(Move(name, seconds_per_byte))
+            moves.append(Move(name, 0.0))
+            continue
+        moved = run(name)
+        saved = max(base.device_bytes - moved.device_bytes, 1.0)
+        moves.append(Move(name, max(moved.step_seconds - base.step_seconds, 0.0) / saved))
     return moves
 
 
@@ -272,21 +258,12 @@ def evaluate(
             stash = facts.stage(
                 first=s == 0, last=s == last, layers=counts[s], policy=save_all, microbatch=mb, seq=seq
             ).stash_bytes("device")
-            return 2 * stash / hardware.host_bandwidth
+            return 2 * stash / hardware.host_share
 
         def device_bytes(policy) -> float:
             return predict(model, schedule, policy, **layout).max_device_bytes
 
-        all_moves = chronos_moves(
-            model,
-            schedule,
-            counts,
-            microbatch=mb,
-            seq=seq,
-            hardware=hardware,
-            allowed=CHRONOS_MOVES[policy_name],
-            facts=facts,
-        )
+        all_moves = chronos_moves(run, CHRONOS_MOVES[policy_name])
 
         def generate(allowed):
             choice = chronos_policy(
