@@ -97,6 +97,39 @@ def _deepest_above_floor(base, method, args, hardware, floor, layers, cand):
     return 0, None
 
 
+def _at_the_papers_depth(base, one_layers, args, hardware):
+    """ChronosPipe (all moves) at the paper's depth, 2.4x 1F1B's (rounded up to a multiple of P),
+    with no throughput floor: what fits it there, how fast, and what its host traffic costs. With the
+    optimizer state on host, the update reads and writes each rank's Adam moments after the tick loop
+    (nothing overlaps it, see jaxmem.memory.state_transfer_seconds)."""
+    from jaxmem.memory import estimate
+
+    if not one_layers:
+        return None
+    layers = -(-int(2.4 * one_layers) // args.pipe) * args.pipe
+    cand = score(base, layers, "chronos", None, "chronos-both", args, hardware)
+    one = score(base, one_layers, "1f1b", None, "save-all", args, hardware)
+    config = dataclasses.replace(base, n_layers=layers)
+    schedule = generate("chronos", args.pipe, args.microbatches)
+    counts = [
+        layers // schedule.num_stages + (1 if s < layers % schedule.num_stages else 0)
+        for s in range(schedule.num_stages)
+    ]
+    e = estimate(config, schedule, cand.policy, batch=args.batch_size, seq=args.seq_len, hardware=hardware,
+                 layer_counts=counts, vocab_parallel=args.vocab_parallel)  # fmt: skip
+    row = {
+        "layers": layers,
+        "fits": cand.fits,
+        "note": cand.note,
+        "per_layer_throughput_vs_1f1b": cand.tokens_per_second * layers / (one.tokens_per_second * one_layers),
+        "step_seconds": e.step_seconds,
+        "state_transfer_seconds": e.state_transfer_seconds,
+        "device_bytes": e.device_bytes,
+    }
+    print(f"at the paper's depth ({layers} layers): {row}", file=sys.stderr)
+    return row
+
+
 def validate_on_cpu(args):
     """Ledger vs memory_analysis() on depths of a narrow GPT (the tiny preset's width) that compile here."""
     from jaxmem.cli.memory import ledger_report
@@ -235,6 +268,7 @@ def main(argv=None):
     recompute_there = (
         score(base, full["max_layers"], "1f1b", None, "recompute-all", args, hardware) if full["max_layers"] else None
     )
+    target = _at_the_papers_depth(base, one["max_layers"], args, hardware)
     record = {
         "benchmark": "trainable_size",
         "budget_bytes": int(args.budget_gib * 2**30),
@@ -272,6 +306,7 @@ def main(argv=None):
         "depth_ratios_vs_1f1b": {
             r["name"]: (r["max_layers"] / one["max_layers"] if one["max_layers"] else None) for r in results
         },
+        "at_the_papers_depth": target,
         "planner_seconds": time.perf_counter() - start,
         "notes": [
             "memory: analytical ledger (predicted); time: simulated on the hardware profile (predicted)",

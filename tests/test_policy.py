@@ -1,11 +1,13 @@
 """Memory policies: specs, validation, lowering, gradients under every preset, and structural offload."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from jaxmem.config import TrainConfig
-from jaxmem.models import GPT_TAGS, get_model
+from jaxmem.models import GPT_TAGS, get_config, get_model
 from jaxmem.pipeline import Pipeline, make_mesh
 from jaxmem.policy import PRESETS, Policy, PolicyError, StagePolicy, from_spec, microbatch_classes
 from jaxmem.schedule import generate
@@ -277,3 +279,52 @@ def test_a_table_without_a_base_builds_on_the_one_around_it():
     # Its own base starts again from that preset.
     again = from_spec({"base": "selective", "stage": {"0": {"base": "recompute-all"}}})
     assert dict(again.stages)[0] == StagePolicy(base="recompute-all")
+
+
+# ---------------------------------------------------------------- layers recomputed apart
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "chronos"])
+def test_layers_recomputed_apart_give_plain_grad_gradients(schedule):
+    """The first layer of every stage recomputed whole, the rest selective; on 1F1B the warmup
+    microbatches recompute two (a mixed policy: two variants of one stage)."""
+    spec = {"base": "selective", "recompute_layers": 1, "microbatch": {"warmup": {"recompute_layers": 2}}}
+    model = dataclasses.replace(get_config("tiny"), n_layers=8, max_seq_len=16)
+    result = verify(generate(schedule, 2, 4), model=get_model(model), policy=spec)
+    assert result["ok"], result
+
+
+def test_layers_recomputed_apart_keep_only_their_inputs_and_the_ledger_holds():
+    """k layers recomputed whole stash their inputs in place of their residuals and repeat their
+    forwards (the facts compose one recomputed layer k times and the rest of the stage); the ledger
+    is within 10% of the compiled step."""
+    from jaxmem.cli.memory import ledger_report
+    from jaxmem.memory import model_facts
+
+    model = get_model(dataclasses.replace(get_config("tiny"), n_layers=8))
+    facts = model_facts(model)
+    shape = dict(first=False, last=False, layers=4, microbatch=2, seq=64)
+    selective = facts.stage(policy=PRESETS["selective"].bind(model.tags), **shape)
+    one = facts.stage(policy=PRESETS["recompute-all"].bind(model.tags), **{**shape, "layers": 1})
+    for k in (1, 4):
+        mixed = facts.stage(policy=StagePolicy(base="selective", recompute_layers=k).bind(model.tags), **shape)
+        rest = facts.stage(policy=PRESETS["selective"].bind(model.tags), **{**shape, "layers": 4 - k})
+        assert mixed.stash_bytes() == rest.stash_bytes() + k * one.stash_bytes()
+        assert mixed.stash_bytes() < selective.stash_bytes()
+        assert mixed.recompute_flops == pytest.approx(rest.recompute_flops + k * one.recompute_flops)
+        assert mixed.recompute_flops > selective.recompute_flops
+    config = TrainConfig(
+        model=model, stages=2, microbatches=4, batch_size=16, seq_len=64, steps=1,
+        policy={"base": "selective", "recompute_layers": 2},
+    )  # fmt: skip
+    report = ledger_report(config, "yes")
+    assert report["max_prediction_error"] < 0.10, report["ranks"][0]
+
+
+def test_recompute_layers_in_a_spec():
+    sp = from_spec({"base": "selective", "stage": {"1": {"recompute_layers": 3}}}).stages[0][1]
+    assert sp.recompute_layers == 3 and sp.base == "selective"  # builds on the table around it
+    assert sp.describe() == "selective + first 3 layer(s) recomputed whole"
+    assert sp.bind(GPT_TAGS).recompute_layers == 3
+    with pytest.raises(PolicyError, match="recompute_layers is a count of layers, got 'two'"):
+        from_spec({"recompute_layers": "two"})
+    with pytest.raises(PolicyError, match="recompute_layers is a count of layers >= 0, got -1"):
+        StagePolicy(recompute_layers=-1)

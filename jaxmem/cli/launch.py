@@ -17,9 +17,10 @@ directory and a sample log under --run-dir unless given; after a recovery, its m
 are in --run-dir's attempt-K.json, which the workers read with those arguments. On a failure -- a
 worker exits, or its heartbeat is older than --heartbeat-seconds -- the launcher stops the other
 workers, asks the recovery planner for the best configuration for what is left (`jaxmem elastic
-recovery` shows the same decision), and restarts from the last complete checkpoint. --inject-failure makes worker R SIGKILL itself at step K (first attempt only),
-for tests and drills. Workers meet on 127.0.0.1 here; on a SLURM or Open MPI cluster, start
-`jaxmem train` with `srun` / `mpirun` instead: it joins via jax.distributed.initialize() auto-detection
+recovery` shows the same decision), and restarts from the last complete checkpoint.
+--inject-failure makes worker R SIGKILL itself at step K (first attempt only), for tests and drills.
+Workers meet on 127.0.0.1 here; on a SLURM or Open MPI cluster, start `jaxmem train` with `srun` /
+`mpirun` instead: it joins via jax.distributed.initialize() auto-detection
 (JAXMEM_DISTRIBUTED=0 runs a task alone)."""
 
 

@@ -303,6 +303,19 @@ class ModelFacts:
         the head's projection, see :meth:`vocab_flops`)."""
         policy = _stage_only(policy)
         vocab = bool(vocab) and (first or last)
+        k = min(policy.recompute_layers, layers)
+        if k:
+            # The first k layers recomputed whole (jaxmem.pipeline.stage_forward): each is a one-layer
+            # middle stage under recompute-all (it keeps its input, repeats its forward), and the rest
+            # of the stage is a stage of its own under the policy: their stashes and FLOPs add up. The
+            # working set: the larger part's, and one recomputed layer's more for each further layer
+            # recomputed -- XLA:CPU runs the repeats ahead of the backward and holds their values (the
+            # compiled tiny GPT step, 4 layers a stage, k = 1..4: within 7%).
+            base = dataclasses.replace(policy, recompute_layers=0)
+            rest = self._per_sequence(first, last, layers - k, base, seq, vocab)
+            one = self._per_sequence(False, False, 1, policy.whole_layer(), seq)
+            working = max(rest.working_bytes, one.working_bytes) + (k - 1) * one.working_bytes
+            return dataclasses.replace(rest.combine(one, 1, k), working_bytes=working).scaled(microbatch)
         per_sequence = self._per_sequence(first, last, layers, policy, seq, vocab)
         return per_sequence.scaled(microbatch)
 
@@ -392,7 +405,7 @@ class ModelFacts:
 
         key = ("plan", first, last, layers, policy, seq, vocab)
         if key not in self._cache:
-            fn = policy.wrap(stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab))
+            fn = stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab, policy=policy)
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
             x = self.message(1, seq)
             shared = self._stage_shared(vocab)
@@ -403,8 +416,8 @@ class ModelFacts:
     def tensor_cut(self, policy, seq: int, tensor: int) -> TensorFacts:
         """What a ``tensor`` axis cuts of one layer under ``policy`` (a bound stage policy), from a
         one-layer middle stage's jaxpr (:mod:`jaxmem.memory._cut`); nothing without an axis or
-        annotations."""
-        policy = _stage_only(policy)
+        annotations. Layers recomputed apart (``recompute_layers``) are taken as the policy's own."""
+        policy = dataclasses.replace(_stage_only(policy), recompute_layers=0)
         key = ("cut", policy, seq, tensor)
         if key not in self._cache:
             self._cache[key] = TensorFacts()
@@ -481,7 +494,7 @@ class ModelFacts:
                     return None
                 mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
             mb = WORKSET_MICROBATCH
-            fn = policy.wrap(stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab))
+            fn = stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab, policy=policy)
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
             x, batch, shared = self.message(mb, seq), self.batch(mb, seq), self._stage_shared(vocab)
             plan = analyze_stage(fn, stage, shared, x, batch, stash_to_host=policy.offload_stash)
@@ -497,8 +510,8 @@ class ModelFacts:
         on a mesh of local devices and left to XLA's partitioner, as the executor leaves it. None when
         the model annotates nothing or the process has fewer than ``tensor`` devices (the ledger then
         models the cut)."""
-        if tensor <= 1 or self.model.axes is None or self._cpu_emulates_16_bits(seq):
-            return None
+        if tensor <= 1 or self.model.axes is None or self._cpu_emulates_16_bits(seq) or policy.recompute_layers:
+            return None  # (a stage that recomputes layers apart is composed of parts: modelled)
         per = self._working(first, last, layers, policy, seq, bool(vocab) and (first or last), tensor)
         return None if per is None else per * microbatch
 

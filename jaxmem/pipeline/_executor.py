@@ -475,7 +475,7 @@ class Pipeline:
         """The stage function of a class, ``fn(stage_params, shared, x, batch)`` with ``shared`` as the
         pipeline holds it (without the vocabulary tables when they are split), wrapped in its policy's
         ``jax.checkpoint``."""
-        fn = stage_forward(
+        return stage_forward(
             self.model,
             first=c.first,
             last=c.last,
@@ -483,8 +483,8 @@ class Pipeline:
             skip=c.skip,
             vocab=self.vocab is not None,
             kinds=c.kinds,
+            policy=self.policy.variants[c.variant] if checkpointed else None,
         )
-        return self.policy.variants[c.variant].wrap(fn) if checkpointed else fn
 
     def _stash_to_host(self, c: StageClass) -> bool:
         return self.policy.variants[c.variant].offload_stash

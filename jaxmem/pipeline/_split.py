@@ -95,6 +95,7 @@ def stage_forward(
     skip: tuple[int, ...] = (),
     vocab: bool = False,
     kinds: tuple[int, ...] = (),
+    policy=None,
 ) -> Callable:
     """``fn(stage_params, shared, x, batch)`` of one stage of a :class:`~jaxmem.models.StagedModel`:
     the embedding if ``first`` (``x`` is then ignored), ``layers`` layers (except the local indices
@@ -108,29 +109,57 @@ def stage_forward(
     first stage starts from its looked-up rows ``x`` (``model.vocab.embed``) and the last ends with
     ``model.vocab.hidden``, before the head's projection: the pipeline does the lookup and the
     projection on every rank at once. ``shared`` is then the shared parameters without the tables
-    (as :func:`~jaxmem.pipeline._vocab.split_vocab` leaves them)."""
+    (as :func:`~jaxmem.pipeline._vocab.split_vocab` leaves them).
+
+    ``policy`` (a :class:`~jaxmem.policy.BoundStagePolicy`): the stage checkpointed as it says -- one
+    ``jax.checkpoint`` of the whole stage, or with ``recompute_layers = k`` a ``jax.checkpoint``
+    that saves nothing around each of the first ``k`` layers (each keeps only its input) and one
+    with the policy's names around the rest of the stage. None: not checkpointed."""
     full = model.split(model.abstract_params())[1] if vocab else None
 
-    def fn(stage_params, shared, x, batch):
+    def begin(shared, x, batch):
         if vocab:
             shared = with_vocab_placeholders(shared, model.vocab, full)
         if first and vocab:
             x = model.vocab.embed(shared, x, layer_batch(batch, EMBED_KEY))
         elif first:
             x = model.embed(shared, layer_batch(batch, EMBED_KEY))
-        per_layer = unstack_layers(stage_params, layers)
-        for i in range(layers):
-            if i in skip:
-                continue
-            layer = model.layer_of_kind(kinds[i]) if kinds else model.layer
-            x = layer(per_layer[i], x, layer_batch(batch, i))
+        return shared, x
+
+    def layer_fn(i):
+        return model.layer_of_kind(kinds[i]) if kinds else model.layer
+
+    def end(shared, per_layer, x, batch, start):
+        for i in range(start, layers):
+            if i not in skip:
+                x = layer_fn(i)(per_layer[i - start], x, layer_batch(batch, i))
         if last and vocab:
             return model.vocab.hidden(shared, x, layer_batch(batch, HEAD_KEY))
         if last:
             return model.head_loss(shared, x, layer_batch(batch, HEAD_KEY))
         return x
 
-    return fn
+    def fn(stage_params, shared, x, batch):
+        shared, x = begin(shared, x, batch)
+        return end(shared, unstack_layers(stage_params, layers), x, batch, 0)
+
+    k = min(policy.recompute_layers, layers) if policy is not None else 0
+    if policy is None or not k:
+        return fn if policy is None else policy.wrap(fn)
+    whole = jax.checkpoint_policies.nothing_saveable
+    rest = jax.checkpoint(
+        lambda shared, per_layer, x, batch: end(shared, per_layer, x, batch, k), policy=policy.checkpoint_policy()
+    )
+
+    def mixed(stage_params, shared, x, batch):
+        shared, x = begin(shared, x, batch)
+        per_layer = unstack_layers(stage_params, layers)
+        for i in range(k):
+            if i not in skip:
+                x = jax.checkpoint(layer_fn(i), policy=whole)(per_layer[i], x, layer_batch(batch, i))
+        return rest(shared, per_layer[k:], x, batch)
+
+    return mixed
 
 
 def _per_rank(stage_to_rank: Sequence[int]) -> list[list[int]]:

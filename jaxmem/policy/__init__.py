@@ -1,6 +1,7 @@
 """Recompute / offload policies per stage and per microbatch, written against a model's declared tags
 (pure Python; lowers to JAX on use), and the Chronos-Recomp/Offload policy generator."""
 
+from jaxmem.policy._chronos import MOVE_SPECS as MOVE_SPECS
 from jaxmem.policy._chronos import ChronosChoice as ChronosChoice
 from jaxmem.policy._chronos import Move as Move
 from jaxmem.policy._chronos import chronos_policy as chronos_policy

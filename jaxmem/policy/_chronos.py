@@ -14,7 +14,13 @@ The paper's exact rules were not available to us; this is our reconstruction, on
   * offload the stash of a cell whose wait covers the round trip on the host link (priced 0: it
     hides behind compute; the simulator charges whatever does not),
   * selective recompute of a cell (recompute the attention probabilities only),
-  * full recompute of a cell (keep only the stage input),
+  * full recompute of one layer of a cell (``recompute_layers``: the layer keeps only its input),
+    one layer at a time over the cells -- every cell its first layer, longest waits first, then
+    every cell its second, and so on -- so that the step slows by a layer's forward per unit, not by
+    a whole stage's at once (spread over the cells: taking one cell's layers before the next's
+    needed ten times the layers to fit 352 layers of gpt2-xl width on the H100 profile),
+  * full recompute of a cell (keep only the stage input; after the per-layer move, which it
+    refines by the layers' inputs),
   * optimizer state on host (read and written back by the update, after the tick loop: nothing
     overlaps it),
   * weights on host (fetched for every action that runs the stage, overlapped with the rank's
@@ -34,7 +40,7 @@ from collections.abc import Callable
 from jaxmem.policy._policy import PRESETS, Policy
 from jaxmem.schedule import simulate
 
-__all__ = ["ChronosChoice", "Move", "chronos_policy", "reuse_distances"]
+__all__ = ["MOVE_SPECS", "ChronosChoice", "Move", "chronos_policy", "reuse_distances"]
 
 SAVE = PRESETS["save-all"]
 CELL_POLICIES = {
@@ -42,7 +48,9 @@ CELL_POLICIES = {
     "selective": PRESETS["selective"],
     "recompute-all": PRESETS["recompute-all"],
 }
-RECOMP_MOVES = ("selective", "recompute-all")
+RECOMP_MOVES = ("selective", "recompute-layers", "recompute-all")
+# The policy each move applies everywhere, to price it (jaxmem.search.chronos_moves).
+MOVE_SPECS = {"recompute-layers": {"recompute_layers": 1 << 30}}
 OFFLOAD_MOVES = ("offload-stash", "offload-optimizer-state", "offload-weights")
 
 
@@ -78,7 +86,7 @@ class ChronosChoice:
 
     def describe(self) -> str:
         parts = [
-            f"{name} on {n} cells"
+            f"{n} layers recomputed whole" if name == "recompute-layers" else f"{name} on {n} cells"
             for name, n in self.cells.items()
             if n and name not in ("offload-optimizer-state", "offload-weights")
         ]
@@ -114,6 +122,7 @@ def chronos_policy(
     *,
     stash_seconds_round_trip: Callable[[int, int], float],
     name: str = "chronos",
+    layers=None,
 ) -> ChronosChoice:
     """Apply memory moves, cheapest per byte first, until ``device_bytes(policy) <= budget``.
 
@@ -122,27 +131,40 @@ def chronos_policy(
         costs: simulator costs of the step (for the reuse distances).
         moves: the moves allowed, with their cost per byte (see module doc).
         stash_seconds_round_trip: offload + prefetch time of a cell's stash on the host link.
+        layers: each stage's layers (for ``recompute-layers``; without them that move is skipped).
     """
     order = reuse_distances(schedule, costs)
     moves = sorted(moves, key=lambda m: m.seconds_per_byte)
+    names = [m.name for m in moves]
+    if "recompute-layers" in names and "recompute-all" in names:  # the finer move first
+        whole = moves.pop(names.index("recompute-all"))
+        moves.insert([m.name for m in moves].index("recompute-layers") + 1, whole)
     cell_level: dict[tuple[int, int], str] = {}
+    cell_layers: dict[tuple[int, int], int] = {}
     flags = {"offload-optimizer-state": False, "offload-weights": False}
     applied: dict[str, int] = {}
 
-    def build(levels: dict, state: dict) -> Policy:
+    def build(levels: dict, state: dict, recomputed=None) -> Policy:
+        recomputed = cell_layers if recomputed is None else recomputed
         stage_base = dataclasses.replace(
             SAVE, offload_optimizer_state=state["offload-optimizer-state"], offload_weights=state["offload-weights"]
         )
         stages = tuple((s, stage_base) for s in range(schedule.num_stages)) if stage_base != SAVE else ()
-        placed = {
-            level: dataclasses.replace(
-                CELL_POLICIES[level],
-                offload_optimizer_state=state["offload-optimizer-state"],
-                offload_weights=state["offload-weights"],
+        cells = tuple(
+            sorted(
+                (
+                    s,
+                    m,
+                    dataclasses.replace(
+                        CELL_POLICIES.get(levels.get((s, m)), SAVE),
+                        offload_optimizer_state=state["offload-optimizer-state"],
+                        offload_weights=state["offload-weights"],
+                        recompute_layers=recomputed.get((s, m), 0) if levels.get((s, m)) != "recompute-all" else 0,
+                    ),
+                )
+                for s, m in set(levels) | set(recomputed)
             )
-            for level in set(levels.values())
-        }
-        cells = tuple(sorted((s, m, placed[level]) for (s, m), level in levels.items()))
+        )
         return Policy(default=SAVE, stages=stages, cells=cells, name=name)
 
     policy = build(cell_level, flags)
@@ -154,6 +176,36 @@ def chronos_policy(
             applied[move.name] = 1
             policy = build(cell_level, flags)
             if device_bytes(policy) <= budget:
+                return ChronosChoice(
+                    policy,
+                    applied,
+                    flags["offload-optimizer-state"],
+                    flags["offload-weights"],
+                    device_bytes(policy),
+                    True,
+                )
+            continue
+        if move.name == "recompute-layers":
+            if layers is None:
+                continue
+            # One layer of one cell per unit: every cell's next layer, longest waits first, then the next.
+            cells = [(s, m) for _, s, m in order if cell_level.get((s, m)) != "recompute-all"]
+            units = [(cell, j) for j in range(1, max(layers) + 1) for cell in cells if j <= layers[cell[0]]]
+
+            def with_units(n: int, units=units, done=cell_layers) -> dict:
+                recomputed = dict(done)
+                for cell, j in units[:n]:
+                    recomputed[cell] = max(recomputed.get(cell, 0), j)
+                return recomputed
+
+            def units_fit(n: int, with_units=with_units, levels=cell_level, state=flags) -> bool:
+                return device_bytes(build(levels, state, with_units(n))) <= budget
+
+            k = _smallest_prefix(len(units), units_fit)
+            cell_layers = with_units(len(units) if k is None else k)
+            applied[move.name] = len(units) if k is None else k
+            if k is not None:
+                policy = build(cell_level, flags)
                 return ChronosChoice(
                     policy,
                     applied,

@@ -130,6 +130,9 @@ class StagePolicy:
         keep_gathered: under FSDP, gather the stage's weights once per step and keep them (and their
             gradient, whole) until the step's end, instead of gathering for every action and
             reduce-scattering after every backward: less traffic, more memory.
+        recompute_layers: recompute the stage's first ``k`` layers whole: each keeps only its input
+            and repeats its forward in the backward, whatever ``base`` says for the rest of the
+            stage -- full recompute by the layer, between a cell's selective and its recompute-all.
 
     Bound to a model's :class:`TagSet` (:meth:`bind`) it becomes a :class:`BoundStagePolicy`, the
     concrete sets of tags saved, offloaded and recomputed.
@@ -144,10 +147,14 @@ class StagePolicy:
     offload_weights: bool = False
     offload_optimizer_state: bool = False
     keep_gathered: bool = False
+    recompute_layers: int = 0
 
     def __post_init__(self):
         if self.base not in BASES:
             raise PolicyError(f"unknown policy base {self.base!r}; bases: {', '.join(BASES)}")
+        k = self.recompute_layers
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise PolicyError(f"recompute_layers is a count of layers >= 0, got {k!r}")
         items = self.tags.items() if isinstance(self.tags, Mapping) else self.tags
         decisions = {str(tag): _decision(str(tag), value) for tag, value in items}
         object.__setattr__(self, "tags", tuple(sorted(decisions.items())))
@@ -177,6 +184,7 @@ class StagePolicy:
             offload_weights=self.offload_weights,
             offload_optimizer_state=self.offload_optimizer_state,
             keep_gathered=self.keep_gathered,
+            recompute_layers=self.recompute_layers,
         )
 
     def describe(self) -> str:
@@ -192,6 +200,7 @@ def _extras(sp) -> str:
     extras = [
         name
         for name, on in (
+            (f"first {sp.recompute_layers} layer(s) recomputed whole", sp.recompute_layers),
             ("stash->host", sp.offload_stash),
             ("weights->host", sp.offload_weights),
             ("opt-state->host", sp.offload_optimizer_state),
@@ -212,7 +221,8 @@ class BoundStagePolicy:
         recompute: the model's other tags, recomputed in the backward from the saved values (as is
             every untagged intermediate); the stage input is always kept.
         order: the model's tags in forward order (for display).
-        offload_stash, offload_weights, offload_optimizer_state, keep_gathered: as in :class:`StagePolicy`.
+        offload_stash, offload_weights, offload_optimizer_state, keep_gathered, recompute_layers: as in
+            :class:`StagePolicy`.
     """
 
     save: frozenset[str]
@@ -223,6 +233,7 @@ class BoundStagePolicy:
     offload_weights: bool = False
     offload_optimizer_state: bool = False
     keep_gathered: bool = False
+    recompute_layers: int = 0
 
     def decision(self, tag: str) -> Decision:
         if tag in self.save:
@@ -248,10 +259,17 @@ class BoundStagePolicy:
         )
 
     def wrap(self, stage_fn: Callable) -> Callable:
-        """``jax.checkpoint`` of the whole stage function with this policy."""
+        """``jax.checkpoint`` of the whole stage function with this policy (``recompute_layers`` is the
+        stage function's to apply: :func:`jaxmem.pipeline.stage_forward`)."""
         import jax
 
         return jax.checkpoint(stage_fn, policy=self.checkpoint_policy())
+
+    def whole_layer(self) -> BoundStagePolicy:
+        """What one of the ``recompute_layers`` does: this policy as recompute-all (every tag
+        recomputed), no layer recomputed apart."""
+        tags = self.save | self.offload | self.recompute
+        return dataclasses.replace(self, save=frozenset(), offload=frozenset(), recompute=tags, recompute_layers=0)
 
     def describe(self) -> str:
         if not self.recompute and not self.offload:
@@ -475,7 +493,7 @@ class ResolvedPolicy:
 
 # --------------------------------------------------------------------------- specs
 FLAGS = ("offload_stash", "offload_weights", "offload_optimizer_state", "keep_gathered")
-STAGE_KEYS = ("base", "tags", *FLAGS)
+STAGE_KEYS = ("base", "tags", "recompute_layers", *FLAGS)
 
 
 def _preset(name: str, where: str) -> StagePolicy:
@@ -524,6 +542,11 @@ def _stage_policy_from(value, where: str, enclosing: StagePolicy | None = None) 
         decisions = dict(value.get("tags", {}))
         decisions.update(_tag_decisions(value, where))
         sp = sp.with_decisions(decisions)
+        if "recompute_layers" in value:
+            k = value["recompute_layers"]
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise PolicyError(f"{where}: recompute_layers is a count of layers, got {k!r}")
+            sp = dataclasses.replace(sp, recompute_layers=k)
         return dataclasses.replace(sp, **{k: bool(value[k]) for k in FLAGS if k in value})
     raise PolicyError(f"{where}: a stage policy is a preset name or a table, got {type(value).__name__}")
 
@@ -557,6 +580,8 @@ def from_spec(spec) -> Policy:
         mlp_hidden = "offload"
         [stage.1.microbatch.warmup]        # stage 1's warmup microbatches only
         base = "recompute-all"
+        [stage.2]
+        recompute_layers = 3               # its first 3 layers recomputed whole (each keeps its input)
 
     A table without its own ``base`` builds on the table around it: ``[stage.1]`` with only
     ``mlp_hidden = "offload"`` is the top-level policy (here selective, attention probabilities
