@@ -167,23 +167,19 @@ def chronos_policy(
         )
         return Policy(default=SAVE, stages=stages, cells=cells, name=name)
 
-    policy = build(cell_level, flags)
-    if device_bytes(policy) <= budget:
-        return ChronosChoice(policy, applied, False, False, device_bytes(policy), True)
+    def choice(fits: bool) -> ChronosChoice:
+        policy = build(cell_level, flags)
+        state = flags["offload-optimizer-state"], flags["offload-weights"]
+        return ChronosChoice(policy, applied, *state, device_bytes(policy), fits)
+
+    if device_bytes(build(cell_level, flags)) <= budget:
+        return choice(True)
     for move in moves:
         if move.name in flags:
             flags = dict(flags, **{move.name: True})
             applied[move.name] = 1
-            policy = build(cell_level, flags)
-            if device_bytes(policy) <= budget:
-                return ChronosChoice(
-                    policy,
-                    applied,
-                    flags["offload-optimizer-state"],
-                    flags["offload-weights"],
-                    device_bytes(policy),
-                    True,
-                )
+            if device_bytes(build(cell_level, flags)) <= budget:
+                return choice(True)
             continue
         if move.name == "recompute-layers":
             if layers is None:
@@ -205,15 +201,7 @@ def chronos_policy(
             cell_layers = with_units(len(units) if k is None else k)
             applied[move.name] = len(units) if k is None else k
             if k is not None:
-                policy = build(cell_level, flags)
-                return ChronosChoice(
-                    policy,
-                    applied,
-                    flags["offload-optimizer-state"],
-                    flags["offload-weights"],
-                    device_bytes(policy),
-                    True,
-                )
+                return choice(True)
             continue
         if move.name == "offload-stash":
             targets = [(s, m) for w, s, m in order if (s, m) not in cell_level and w >= stash_seconds_round_trip(s, m)]
@@ -237,13 +225,7 @@ def chronos_policy(
         if k is not None:
             cell_level = with_k(k)
             applied[move.name] = k
-            policy = build(cell_level, flags)
-            return ChronosChoice(
-                policy, applied, flags["offload-optimizer-state"], flags["offload-weights"], device_bytes(policy), True
-            )
+            return choice(True)
         cell_level = with_k(len(targets))
         applied[move.name] = len(targets)
-    policy = build(cell_level, flags)
-    return ChronosChoice(
-        policy, applied, flags["offload-optimizer-state"], flags["offload-weights"], device_bytes(policy), False
-    )
+    return choice(False)
