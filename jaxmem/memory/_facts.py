@@ -201,9 +201,6 @@ class ModelFacts:
     def message_bytes(self, microbatch: int, seq: int) -> int:
         return tree_bytes(self.message(microbatch, seq))
 
-    def stage_param_bytes(self, layers: int) -> float:
-        return layers * self.layer_bytes
-
     def static_bytes(
         self,
         ranks: int,

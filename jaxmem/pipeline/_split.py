@@ -143,9 +143,11 @@ def stage_forward(
         shared, x = begin(shared, x, batch)
         return end(shared, unstack_layers(stage_params, layers), x, batch, 0)
 
-    k = min(policy.recompute_layers, layers) if policy is not None else 0
-    if policy is None or not k:
-        return fn if policy is None else policy.wrap(fn)
+    if policy is None:
+        return fn
+    k = min(policy.recompute_layers, layers)
+    if not k:
+        return policy.wrap(fn)
     whole = jax.checkpoint_policies.nothing_saveable
     rest = jax.checkpoint(
         lambda shared, per_layer, x, batch: end(shared, per_layer, x, batch, k), policy=policy.checkpoint_policy()

@@ -186,15 +186,16 @@ CHRONOS_MOVES = {
 }
 
 
-def chronos_moves(run, allowed) -> list:
+def chronos_moves(run, allowed, base=None) -> list:
     """The memory moves with their price in seconds per byte saved, each read from the one estimator:
     ``run(policy)`` (:func:`jaxmem.memory.estimate` of the configuration under a policy) with the
-    move applied to every stage and microbatch, against save-all -- the step's extra seconds over
-    the device bytes it frees. ``offload-stash`` is priced 0: the generator offloads only cells whose
-    wait hides the round trip, and the simulator charges whatever does not hide."""
+    move applied to every stage and microbatch, against save-all (``base``, when the caller has its
+    estimate already) -- the step's extra seconds over the device bytes it frees. ``offload-stash``
+    is priced 0: the generator offloads only cells whose wait hides the round trip, and the
+    simulator charges whatever does not hide."""
     from jaxmem.policy import MOVE_SPECS, Move
 
-    base = run("save-all")
+    base = base if base is not None else run("save-all")
     moves = []
     for name in allowed:
         if name == "offload-stash":
@@ -259,7 +260,7 @@ def evaluate(
     if policy_name in CHRONOS_MOVES:
         last = schedule.num_stages - 1
         save_all = PRESETS["save-all"].bind(model.tags)
-        base_costs = run("save-all").costs
+        base = run("save-all")
 
         def round_trip(s, m):
             stash = facts.stage(
@@ -270,7 +271,7 @@ def evaluate(
         def device_bytes(policy) -> float:
             return predict(model, schedule, policy, **layout).max_device_bytes
 
-        all_moves = chronos_moves(run, CHRONOS_MOVES[policy_name])
+        all_moves = chronos_moves(run, CHRONOS_MOVES[policy_name], base)
 
         def generate(allowed, first=()):
             moves = [m if m.name not in first else dataclasses.replace(m, seconds_per_byte=-1.0) for m in all_moves]
@@ -278,7 +279,7 @@ def evaluate(
                 schedule,
                 device_bytes,
                 budget,
-                base_costs,
+                base.costs,
                 [m for m in moves if m.name in allowed],
                 stash_seconds_round_trip=round_trip,
                 name=policy_name,
