@@ -123,15 +123,15 @@ def main(argv=None):
         "8",
     ]
     scenarios = {
-        "A (2 workers x 2 devices, pipe 4)": (2, 2, ["--stages", "4", *base], "rank=1,step=19", []),
+        "A (2 workers x 2 devices, pipe 4)": (2, 2, ["--pipe", "4", *base], "rank=1,step=19", []),
         "B (2 workers x 2 devices, data 2 x pipe 2)": (
             2,
             2,
-            ["--stages", "2", "--data-parallel", "2", *base],
+            ["--pipe", "2", "--data-parallel", "2", *base],
             "rank=1,step=19",
             ["shrink-data-parallel"],
         ),
-        "C (4 workers x 1 device, pipe 4)": (4, 1, ["--stages", "4", *base], "rank=2,step=19", []),
+        "C (4 workers x 1 device, pipe 4)": (4, 1, ["--pipe", "4", *base], "rank=2,step=19", []),
     }
     wanted = {x.strip().upper() for x in args.scenarios.split(",")}
     scenarios = {k: v for k, v in scenarios.items() if k[0] in wanted}

@@ -13,7 +13,7 @@ oversubscription`` (that Lockstep field) when there are more processes than core
 
 with ``ticks``, ``even`` and ``excess`` from ``jaxmem.memory.shared_core_terms`` (the 1F1B lockstep
 schedule and save-all FLOP costs at this machine's calibrated ``rate``). This script launches each
-configuration (``jaxmem launch --nprocs N --devices-per-proc K -- --stages P --data-parallel D
+configuration (``jaxmem launch --nprocs N --devices-per-proc K -- --pipe P --data-parallel D
 --microbatches M``, batch 32 x 64, one checkpoint at the end) and takes the workers' median step time (compile
 excluded), then fits the four constants on what the planner uses. Recovery keeps the model and the
 microbatch count, and the planner scales every candidate by measured / predicted of the run that was
@@ -93,7 +93,7 @@ def config_of(model, nprocs, per_proc, pipe, data, microbatches) -> TrainConfig:
     return TrainConfig(
         model=model,
         layers_per_stage=None if layers % pipe == 0 else balanced_layers(layers, pipe),
-        stages=pipe,
+        pipe=pipe,
         data_parallel=data,
         microbatches=microbatches,
         batch_size=BATCH,
@@ -109,7 +109,7 @@ def measured_step_seconds(spec, steps: int, run_dir: Path) -> float:
     train_args += [
         "--model",
         model,
-        "--stages",
+        "--pipe",
         str(pipe),
         "--data-parallel",
         str(data),

@@ -45,7 +45,7 @@ def one_row(schedule: str, virtual: int | None, M: int, steps: int) -> dict:
         model="tiny",
         schedule=schedule,
         virtual=virtual,
-        stages=4,
+        pipe=4,
         microbatches=M,
         batch_size=64,
         seq_len=64,

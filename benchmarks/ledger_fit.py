@@ -36,10 +36,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "chronos")
 FAMILIES = ("mqa", "wide", "moe", "parallel", "tiny", "llama-tiny")
 # (label, mesh axes) of the sharded layouts, 1f1b on the built-ins.
 LAYOUTS = {
-    "P2 D2": {"stages": 2, "data_parallel": 2},
-    "P2 F2": {"stages": 2, "fsdp": 2},
-    "P2 T2": {"stages": 2, "tensor": 2},
-    "P2 D2 T2": {"stages": 2, "data_parallel": 2, "tensor": 2},
+    "P2 D2": {"pipe": 2, "data_parallel": 2},
+    "P2 F2": {"pipe": 2, "fsdp": 2},
+    "P2 T2": {"pipe": 2, "tensor": 2},
+    "P2 D2 T2": {"pipe": 2, "data_parallel": 2, "tensor": 2},
 }
 
 

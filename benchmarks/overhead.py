@@ -86,7 +86,7 @@ def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy
             model=model,
             policy=policy,
             schedule=schedule,
-            stages=stages,
+            pipe=stages,
             microbatches=microbatches,
             batch_size=batch,
             seq_len=seq,

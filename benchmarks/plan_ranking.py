@@ -74,7 +74,7 @@ HOLDOUT = [
 def config_of(schedule, pipe, data, microbatches, virtual, policy="save-all", batch=32, seq=64) -> TrainConfig:
     return TrainConfig(
         schedule=schedule,
-        stages=pipe,
+        pipe=pipe,
         data_parallel=data,
         microbatches=microbatches,
         virtual=virtual,

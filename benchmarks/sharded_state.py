@@ -32,7 +32,7 @@ from jaxmem.config import TrainConfig  # noqa: E402
 from jaxmem.models import LlamaConfig  # noqa: E402
 
 MODEL = LlamaConfig(vocab_size=32000, d_model=64, n_heads=4, n_kv_heads=2, n_layers=4, max_seq_len=64)
-SHAPE = dict(stages=2, microbatches=4, batch_size=16, seq_len=64, steps=1, data="synthetic")
+SHAPE = dict(pipe=2, microbatches=4, batch_size=16, seq_len=64, steps=1, data="synthetic")
 LAYOUTS = {
     "whole": dict(data_parallel=2, zero=False, vocab_split=False),
     "sharded": dict(data_parallel=2),

@@ -53,7 +53,7 @@ def main() -> None:
         config = TrainConfig(
             model=model,
             schedule=schedule,
-            stages=sizes.get("pipe", 1),
+            pipe=sizes.get("pipe", 1),
             data_parallel=sizes.get("data", 1),
             fsdp=sizes.get("fsdp", 1),
             tensor=sizes.get("tensor", 1),

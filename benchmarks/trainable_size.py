@@ -142,7 +142,7 @@ def validate_on_cpu(args):
             config = TrainConfig(
                 model=model,
                 schedule=schedule,
-                stages=4,
+                pipe=4,
                 microbatches=8,
                 batch_size=32,
                 seq_len=64,

@@ -33,7 +33,7 @@ policies = ["save-all", "selective", "recompute-all", hand_written, offload_firs
 
 print(f"{'policy':22s} {'rank':>4s} {'predicted MiB':>14s} {'compiled MiB':>13s} {'host MiB':>9s} {'grads ok':>9s}")
 for policy in policies:
-    config = TrainConfig(schedule="1f1b", stages=4, microbatches=8, policy=policy)
+    config = TrainConfig(schedule="1f1b", pipe=4, microbatches=8, policy=policy)
     trainer = Trainer(config)
     predicted = predict(trainer.pipeline.model, trainer.schedule, policy, batch=32, seq=64)
     report = compare(predicted, trainer.measure_memory())

@@ -1,6 +1,12 @@
-"""The base class of the errors jaxmem raises for bad input (the CLI prints them without a traceback)."""
+"""The base class of the errors jaxmem raises for bad input (the CLI prints them without a traceback),
+and :func:`setting`, which names a setting in an error the way its caller wrote it."""
 
-__all__ = ["JaxmemError", "first_line"]
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+__all__ = ["JaxmemError", "first_line", "setting", "settings_phrased_by"]
 
 
 class JaxmemError(ValueError):
@@ -11,3 +17,34 @@ def first_line(e: BaseException) -> str:
     """``Type: first line of the message`` of an exception from a library (at most 300 characters),
     for a one-line error that names the cause without its traceback."""
     return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]
+
+
+# How an error names a setting: None is Python's phrasing (the argument or field name); the command
+# line sets its flags' phrasing while a command runs (settings_phrased_by).
+_PHRASING: contextvars.ContextVar = contextvars.ContextVar("jaxmem_setting_phrasing", default=None)
+_UNSET = object()
+
+
+def setting(name: str, value=_UNSET) -> str:
+    """``name`` (a keyword argument or :class:`~jaxmem.config.TrainConfig` field), with ``value`` if
+    given, as the caller wrote it: ``warmup_steps=5`` from Python, ``--warmup-steps 5`` from the
+    command line. The library's errors name settings through this, so that each reads in its
+    caller's words.
+
+    >>> setting("warmup_steps", 5), setting("budget")
+    ('warmup_steps=5', 'budget')
+    """
+    phrase = _PHRASING.get()
+    if phrase is not None:
+        return phrase(name) if value is _UNSET else phrase(name, value)
+    return name if value is _UNSET else f"{name}={value!r}"
+
+
+@contextlib.contextmanager
+def settings_phrased_by(phrase):
+    """Within the block, :func:`setting` names settings by ``phrase(name[, value])`` (the CLI's flags)."""
+    token = _PHRASING.set(phrase)
+    try:
+        yield
+    finally:
+        _PHRASING.reset(token)

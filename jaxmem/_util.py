@@ -8,7 +8,7 @@ import re
 import signal
 import tomllib
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 
 __all__ = [
     "LAUNCHER_ENV",
@@ -49,11 +49,12 @@ def human_bytes(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.2f} KiB"
 
 
-def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+def parse_int_list(text: str, name: str) -> tuple[int, ...]:
+    """'3,3,2' -> (3, 3, 2); a bad one is an error naming the setting ``name``."""
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise JaxmemError(f"{flag} takes comma-separated integers like 3,3,2; got {text!r}") from None
+        raise JaxmemError(f"{setting(name)} takes comma-separated integers like 3,3,2; got {text!r}") from None
 
 
 _UNITS = {
@@ -70,14 +71,14 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str, flag: str = "--budget") -> float:
-    """'24GiB', '512 MiB', '8e9', '1.5GB' -> bytes."""
+def parse_bytes(text: str, name: str = "budget") -> float:
+    """'24GiB', '512 MiB', '8e9', '1.5GB' -> bytes; a bad one is an error naming the setting ``name``."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise JaxmemError(f"{flag} takes a size like 24GiB, 512MiB, 8e9 or 1.5GB; got {text!r}")
+        raise JaxmemError(f"{setting(name)} takes a size like 24GiB, 512MiB, 8e9 or 1.5GB; got {text!r}")
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if value <= 0:
-        raise JaxmemError(f"{flag} must be > 0, got {text!r}")
+        raise JaxmemError(f"{setting(name)} must be > 0, got {text!r}")
     return value
 
 

@@ -5,20 +5,24 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import load_toml, parse_bytes, parse_int_list
 from jaxmem.schedule import Schedule, generate, load_csv, validate
 from jaxmem.search import CHRONOS_MOVES
 
 __all__ = [
     "GENERATED_POLICIES",
+    "MESH_FIELDS",
+    "MeshSpec",
+    "OptimizerSpec",
     "TrainConfig",
-    "add_arguments",
-    "from_args",
+    "config_from",
+    "load_settings",
     "parse_mesh",
-    "parse_train_args",
     "with_overrides",
 ]
+
+_s = setting  # the errors below name settings in their caller's words: a field, or a flag
 
 # Policy names made for a run's layout under a budget (Chronos-Recomp / -Offload / both; see
 # jaxmem.search.evaluate), accepted by --policy beside the presets.
@@ -26,7 +30,7 @@ GENERATED_POLICIES = tuple(CHRONOS_MOVES)
 
 # Integer settings and their least value; the optional ones may also be None.
 _INTEGER_FIELDS = {
-    "stages": 1,
+    "pipe": 1,
     "microbatches": 1,
     "data_parallel": 1,
     "fsdp": 1,
@@ -46,6 +50,67 @@ _INTEGER_FIELDS = {
     "seed": 0,
 }
 _OPTIONAL_FIELDS = ("devices", "vocab_size", "restore_step")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSpec:
+    """A run's device mesh by axis: ``data`` replicas holding whole parameters, ``fsdp`` replicas
+    holding a shard of each, ``pipe`` ranks, ``tensor`` devices cutting each microbatch's matmuls.
+    Its text is what ``--mesh`` and :func:`parse_mesh` take.
+
+    >>> mesh = MeshSpec(data=2, pipe=4); str(mesh), mesh.devices
+    ('data=2,fsdp=1,pipe=4,tensor=1', 8)
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    pipe: int = 4
+    tensor: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.pipe * self.tensor
+
+    @property
+    def replicas(self) -> int:
+        """Replicas the batch is split over: data x fsdp."""
+        return self.data * self.fsdp
+
+    def __str__(self) -> str:
+        return f"data={self.data},fsdp={self.fsdp},pipe={self.pipe},tensor={self.tensor}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """Adam (AdamW with ``weight_decay``) under a learning-rate schedule: linear warmup from 0 over
+    ``warmup_steps``, then ``constant`` or ``cosine`` decay to ``min_lr_ratio * lr`` at ``steps``;
+    gradients clipped to a global norm of ``grad_clip`` (None: not clipped). What
+    :func:`jaxmem.train.make_optimizer` builds; :attr:`TrainConfig.optimizer` gives a run's."""
+
+    lr: float = 3e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    steps: int = 300
+
+    def __post_init__(self):
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise JaxmemError(f"{_s('lr')} must be a finite number > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise JaxmemError(f"{_s('lr_schedule')} is constant or cosine, got {self.lr_schedule!r}")
+        if self.warmup_steps >= self.steps and self.lr_schedule == "cosine":
+            raise JaxmemError(
+                f"{_s('warmup_steps', self.warmup_steps)} leaves no steps of the cosine decay "
+                f"({_s('steps', self.steps)}); use fewer warmup steps"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise JaxmemError(f"{_s('min_lr_ratio')} is a fraction in [0, 1], got {self.min_lr_ratio}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise JaxmemError(f"{_s('weight_decay')} must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise JaxmemError(f"{_s('grad_clip')} must be > 0 (the largest global gradient norm), got {self.grad_clip}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +135,8 @@ class TrainConfig:
             :func:`~jaxmem.models.fused_attention`); None keeps the model's.
         schedule: schedule name, or None when ``schedule_csv`` is given.
         schedule_csv: a schedule table to run instead of a generated one.
-        stages: pipeline ranks P.
+        pipe: pipe ranks P (devices along the pipeline; ``--stages`` and ``stages`` in a TOML file
+            are older names for it).
         microbatches: microbatches M per step.
         virtual: stages per rank for interleaved-1f1b.
         data_parallel: data-parallel replicas D holding whole parameters.
@@ -116,7 +182,7 @@ class TrainConfig:
             :data:`GENERATED_POLICIES` (``chronos-recomp``, ...), generated for this config's schedule
             and mesh under ``budget`` by :meth:`build_policy` (what ``jaxmem plan`` prints); None =
             save-all.
-        plan: ``"auto"`` lets the planner choose stages, data-parallel, schedule, microbatches and
+        plan: ``"auto"`` lets the planner choose pipe ranks, data-parallel, schedule, microbatches and
             policy for ``devices`` under ``budget``.
         budget: device bytes per device for ``plan="auto"``, ``adaptive`` and a generated policy.
         margin: for ``plan="auto"``, plan under ``budget / (1 + margin)``. None: 0 where the plan's
@@ -149,7 +215,7 @@ class TrainConfig:
     attention: str | None = None
     schedule: str | None = "1f1b"
     schedule_csv: str | None = None
-    stages: int = 4
+    pipe: int = 4
     microbatches: int = 8
     virtual: int | None = None
     data_parallel: int = 1
@@ -158,15 +224,15 @@ class TrainConfig:
     zero: bool = True
     vocab_split: bool = True
     devices: int | None = None
-    steps: int = 300
+    steps: int = OptimizerSpec.steps  # the optimizer's fields default as its spec does
     seq_len: int = 64
     batch_size: int = 32
-    lr: float = 3e-3
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float | None = None
+    lr: float = OptimizerSpec.lr
+    lr_schedule: str = OptimizerSpec.lr_schedule
+    warmup_steps: int = OptimizerSpec.warmup_steps
+    min_lr_ratio: float = OptimizerSpec.min_lr_ratio
+    weight_decay: float = OptimizerSpec.weight_decay
+    grad_clip: float | None = OptimizerSpec.grad_clip
     seed: int = 0
     data: str = "text"
     data_field: str = "text"
@@ -196,101 +262,108 @@ class TrainConfig:
     sample_log: str | None = None
 
     def __post_init__(self):
+        # Settings that may come as text (a TOML file, the command line): parsed here, once.
+        for field, parse in (
+            ("budget", parse_bytes),
+            ("layers_per_stage", parse_int_list),
+            ("seq_len_schedule", parse_int_list),
+        ):
+            if isinstance(getattr(self, field), str):
+                object.__setattr__(self, field, parse(getattr(self, field), field))
         for field, minimum in _INTEGER_FIELDS.items():
             value = getattr(self, field)
             if value is None and field in _OPTIONAL_FIELDS:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise JaxmemError(f"--{field.replace('_', '-')} must be an integer >= {minimum}, got {value!r}")
+                raise JaxmemError(f"{_s(field)} must be an integer >= {minimum}, got {value!r}")
         if self.seed >= 2**63:
-            raise JaxmemError(f"--seed must be below 2**63 (jax.random.key takes a 64-bit integer), got {self.seed}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise JaxmemError(f"--lr must be a finite number > 0, got {self.lr}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise JaxmemError(f"--lr-schedule is constant or cosine, got {self.lr_schedule!r}")
-        if self.warmup_steps >= self.steps and self.lr_schedule == "cosine":
             raise JaxmemError(
-                f"--warmup-steps ({self.warmup_steps}) leaves no steps of the cosine decay "
-                f"(--steps {self.steps}); use fewer warmup steps"
+                f"{_s('seed')} must be below 2**63 (jax.random.key takes a 64-bit integer), got {self.seed}"
             )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise JaxmemError(f"--min-lr-ratio is a fraction in [0, 1], got {self.min_lr_ratio}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise JaxmemError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
-            raise JaxmemError(f"--grad-clip must be > 0 (the largest global gradient norm), got {self.grad_clip}")
+        self.optimizer  # noqa: B018 -- its own checks
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise JaxmemError(f"--eval-fraction is a fraction in [0, 1), got {self.eval_fraction}")
+            raise JaxmemError(f"{_s('eval_fraction')} is a fraction in [0, 1), got {self.eval_fraction}")
         if self.eval_every and not self.eval_fraction:
-            raise JaxmemError("--eval-every needs held-out data: add --eval-fraction (e.g. 0.05)")
+            raise JaxmemError(f"{_s('eval_every')} needs held-out data: set {_s('eval_fraction', 0.05)}")
         if self.seq_len_schedule is not None and not self.adaptive:
-            raise JaxmemError("--seq-len-schedule varies the program under the profiler: add --adaptive and --budget")
+            raise JaxmemError(
+                f"{_s('seq_len_schedule')} varies the program under the profiler: set {_s('adaptive')} "
+                f"and {_s('budget')}"
+            )
         if self.restore_step is not None and not self.checkpoint_dir:
-            raise JaxmemError("--restore-step picks a step of --checkpoint-dir; add --checkpoint-dir")
+            raise JaxmemError(
+                f"{_s('restore_step')} picks a step of {_s('checkpoint_dir')}; set {_s('checkpoint_dir')}"
+            )
         if self.adaptive and self.run_dir:
             raise JaxmemError(
-                "--adaptive runs write no --run-dir metrics (their record is --profile-report, per program); "
-                "drop --run-dir or --adaptive"
+                f"{_s('adaptive')} runs write no {_s('run_dir')} metrics (their record is {_s('profile_report')}, per "
+                f"program); drop {_s('run_dir')} or {_s('adaptive')}"
             )
         generated = self.policy in GENERATED_POLICIES
         if self.budget and not (self.plan or self.adaptive or self.run_dir or generated):
             raise JaxmemError(
-                "--budget is used by --plan auto, --adaptive and a generated --policy (chronos-recomp, "
-                "chronos-offload, chronos-both), and shown beside the compiled bytes in --run-dir metrics; add "
-                "one of them, or drop --budget"
+                f"{_s('budget')} is used by {_s('plan', 'auto')}, {_s('adaptive')} and a generated {_s('policy')} "
+                f"(chronos-recomp, chronos-offload, chronos-both), and shown beside the compiled bytes in "
+                f"{_s('run_dir')} metrics; set one of them, or drop {_s('budget')}"
             )
         if generated and not self.budget:
             raise JaxmemError(
-                f"--policy {self.policy} is generated for the run's schedule and mesh under a memory budget: "
-                "add --budget (device memory per device, e.g. 40GiB)"
+                f"{_s('policy', self.policy)} is generated for the run's schedule and mesh under a memory budget: "
+                f"set {_s('budget')} (device memory per device, e.g. {_s('budget', '40GiB')})"
             )
         if generated and self.adaptive:
-            raise JaxmemError(f"--adaptive picks the policy itself; drop --policy {self.policy} (or --adaptive)")
+            raise JaxmemError(
+                f"{_s('adaptive')} picks the policy itself; drop {_s('policy', self.policy)} (or {_s('adaptive')})"
+            )
         if self.init_from is not None:
             self._check_init_from()
         if self.data == "synthetic" and self.tokenizer != "byte":
-            raise JaxmemError("--tokenizer applies to text data; synthetic data draws token ids directly")
+            raise JaxmemError(f"{_s('tokenizer')} applies to text data; synthetic data draws token ids directly")
         if self.plan not in (None, "auto"):
-            raise JaxmemError(f"--plan takes 'auto', got {self.plan!r}")
+            raise JaxmemError(f"{_s('plan')} takes 'auto', got {self.plan!r}")
         if self.adaptive and not self.budget:
-            raise JaxmemError("--adaptive needs --budget (device memory per device, e.g. 14MiB)")
+            raise JaxmemError(
+                f"{_s('adaptive')} needs {_s('budget')} (device memory per device, e.g. {_s('budget', '14MiB')})"
+            )
         if self.adaptive and self.plan:
-            raise JaxmemError("use either --plan auto or --adaptive, not both")
+            raise JaxmemError(f"use either {_s('plan', 'auto')} or {_s('adaptive')}, not both")
         if not 0.0 <= self.layer_drop < 1.0:
-            raise JaxmemError(f"--layer-drop is a probability in [0, 1), got {self.layer_drop}")
+            raise JaxmemError(f"{_s('layer_drop')} is a probability in [0, 1), got {self.layer_drop}")
         if self.seq_len_order not in ("cycle", "random"):
-            raise JaxmemError(f"--seq-len-order is cycle or random, got {self.seq_len_order!r}")
+            raise JaxmemError(f"{_s('seq_len_order')} is cycle or random, got {self.seq_len_order!r}")
         if self.seq_len_schedule is not None:
             buckets = tuple(int(x) for x in self.seq_len_schedule)
             if not buckets or min(buckets) < 1:
-                raise JaxmemError(f"--seq-len-schedule needs lengths >= 1, got {list(buckets)}")
+                raise JaxmemError(f"{_s('seq_len_schedule')} needs lengths >= 1, got {list(buckets)}")
             object.__setattr__(self, "seq_len_schedule", buckets)
             if max(buckets) > self.seq_len:
                 object.__setattr__(self, "seq_len", max(buckets))
         if self.plan == "auto" and not self.budget:
-            raise JaxmemError("--plan auto needs --budget (device memory per device, e.g. 12MiB or 24GiB)")
+            raise JaxmemError(
+                f"{_s('plan', 'auto')} needs {_s('budget')} (device memory per device, e.g. "
+                f"{_s('budget', '12MiB')} or {_s('budget', '24GiB')})"
+            )
         if self.margin is not None and (self.plan != "auto" or not 0 <= self.margin < 1):
             raise JaxmemError(
-                f"--margin (margin={self.margin}) is a fraction of the budget in [0, 1) that --plan auto keeps "
-                "free, e.g. --margin 0.1; use it with --plan auto"
+                f"{_s('margin', self.margin)} is a fraction of the budget in [0, 1) that {_s('plan', 'auto')} keeps "
+                f"free, e.g. {_s('margin', 0.1)}; use it with {_s('plan', 'auto')}"
             )
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
             if 0 in self.layers_per_stage:
                 raise JaxmemError(
-                    f"--layers-per-stage {','.join(map(str, self.layers_per_stage))} leaves a stage without "
-                    "layers (its rank would only pass messages on); give every stage at least one layer, or use "
-                    "fewer stages"
+                    f"{_s('layers_per_stage', self.layers_per_stage)} leaves a stage without layers (its rank would "
+                    "only pass messages on); give every stage at least one layer, or use fewer stages"
                 )
         if self.hardware != "auto":
             from jaxmem.memory import HARDWARE
 
             if str(self.hardware).strip().lower() not in HARDWARE:
-                raise JaxmemError(f"unknown --hardware {self.hardware!r}; profiles: {', '.join(HARDWARE)} (or auto)")
+                raise JaxmemError(f"unknown {_s('hardware', self.hardware)}; profiles: {', '.join(HARDWARE)} (or auto)")
         if self.data_field != "text" and self.data in ("synthetic", "text"):
             raise JaxmemError(
-                f"--data-field {self.data_field!r} names a column of JSONL, Parquet or Hugging Face data; "
-                f"--data {self.data} has no columns. Drop --data-field"
+                f"{_s('data_field', self.data_field)} names a column of JSONL, Parquet or Hugging Face data; "
+                f"{_s('data', self.data)} has no columns. Drop {_s('data_field')}"
             )
         # Resolved here, once, before any data loads: a bad policy or schedule fails at once.
         if self.policy is not None and not generated:
@@ -306,15 +379,18 @@ class TrainConfig:
         path = os.path.join(self.init_from, "config.json")
         if not os.path.isfile(path):
             raise JaxmemError(
-                f"--init-from {self.init_from}: no config.json there; give a Hugging Face model directory "
+                f"{_s('init_from', self.init_from)}: no config.json there; give a Hugging Face model directory "
                 "(what jaxmem export --format hf writes, or save_pretrained saves)"
             )
         if self.model != "tiny":
-            raise JaxmemError(f"--init-from builds the model from {path}; drop --model {self.model}")
+            raise JaxmemError(f"{_s('init_from')} builds the model from {path}; drop {_s('model', self.model)}")
         if self.vocab_size is not None:
-            raise JaxmemError(f"--init-from takes the vocabulary from {path}; drop --vocab-size")
+            raise JaxmemError(f"{_s('init_from')} takes the vocabulary from {path}; drop {_s('vocab_size')}")
         if self.plan or self.adaptive:
-            raise JaxmemError("--init-from starts a plain run; it does not combine with --plan auto or --adaptive yet")
+            raise JaxmemError(
+                f"{_s('init_from')} starts a plain run; it does not combine with {_s('plan', 'auto')} or "
+                f"{_s('adaptive')} yet"
+            )
         tokenizer_file = os.path.join(self.init_from, "tokenizer.json")
         if self.tokenizer == "byte" and self.data != "synthetic" and os.path.isfile(tokenizer_file):
             # The model's own tokenizer, unless another was named: byte ids would mean other tokens.
@@ -322,7 +398,7 @@ class TrainConfig:
         kind = self._init_from_config().get("model_type")
         if kind not in ("gpt2", "llama"):  # checked in full when the model is built
             raise JaxmemError(
-                f"--init-from: {path} describes model_type {kind!r}; jaxmem starts from Hugging Face gpt2 "
+                f"{_s('init_from')}: {path} describes model_type {kind!r}; jaxmem starts from Hugging Face gpt2 "
                 "(GPT2LMHeadModel) and llama (LlamaForCausalLM) directories"
             )
 
@@ -333,14 +409,24 @@ class TrainConfig:
         return None if self.vocab_split else False
 
     @property
+    def mesh(self) -> MeshSpec:
+        """The run's mesh (``data_parallel``, ``fsdp``, ``pipe``, ``tensor``)."""
+        return MeshSpec(data=self.data_parallel, fsdp=self.fsdp, pipe=self.pipe, tensor=self.tensor)
+
+    @property
+    def optimizer(self) -> OptimizerSpec:
+        """The run's optimizer and learning-rate schedule."""
+        return OptimizerSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimizerSpec)})
+
+    @property
     def replicas(self) -> int:
         """Replicas the batch is split over: data-parallel x fsdp."""
-        return self.data_parallel * self.fsdp
+        return self.mesh.replicas
 
     @property
     def num_devices(self) -> int:
-        """Devices the run's mesh takes: data-parallel x fsdp x stages x tensor."""
-        return self.data_parallel * self.fsdp * self.stages * self.tensor
+        """Devices the run's mesh takes: data-parallel x fsdp x pipe x tensor."""
+        return self.mesh.devices
 
     @property
     def model_name(self) -> str:
@@ -366,12 +452,12 @@ class TrainConfig:
             from jaxmem.models.hf import config_from_hf
 
             overrides.pop("vocab_size", None)
-            config = config_from_hf(self._init_from_config(), where=f"--init-from {self.init_from}", **overrides)
+            config = config_from_hf(self._init_from_config(), where=_s("init_from", self.init_from), **overrides)
             model = get_model(config)
         else:
             model = get_model(self.model, **overrides)
         if model.max_seq_len is not None and self.seq_len > model.max_seq_len:
-            raise JaxmemError(f"--seq-len {self.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}")
+            raise JaxmemError(f"{_s('seq_len', self.seq_len)} exceeds {model.name}'s max_seq_len {model.max_seq_len}")
         return model
 
     def _init_from_config(self) -> dict:
@@ -384,9 +470,9 @@ class TrainConfig:
             with open(path) as f:
                 config = json.load(f)
         except ValueError as e:
-            raise JaxmemError(f"--init-from: {path} is not JSON ({e})") from None
+            raise JaxmemError(f"{_s('init_from')}: {path} is not JSON ({e})") from None
         if not isinstance(config, dict):
-            raise JaxmemError(f"--init-from: {path} is not a JSON object")
+            raise JaxmemError(f"{_s('init_from')}: {path} is not a JSON object")
         return config
 
     def build_policy(self, model=None, schedule=None, *, budget: float | None = None):
@@ -418,9 +504,9 @@ class TrainConfig:
         )
         if not candidate.fits:
             raise JaxmemError(
-                f"--policy {self.policy} cannot fit {model.name} in --budget {human_bytes(budget)} on this mesh and "
-                f"schedule: its smallest policy needs {human_bytes(candidate.device_bytes)} per device. Pass a "
-                "larger --budget, more devices, or let --plan auto choose the layout"
+                f"{_s('policy', self.policy)} cannot fit {model.name} in {_s('budget', human_bytes(budget))} on this "
+                f"mesh and schedule: its smallest policy needs {human_bytes(candidate.device_bytes)} per device. "
+                f"Give a larger {_s('budget')}, more devices, or let {_s('plan', 'auto')} choose the layout"
             )
         return candidate.policy
 
@@ -436,221 +522,23 @@ class TrainConfig:
     def build_schedule(self) -> Schedule:
         """The run's schedule (already checked when the config was built)."""
         if self.schedule_csv:
-            s = validate(load_csv(self.schedule_csv))
-            if s.num_ranks != self.stages:
+            table = validate(load_csv(self.schedule_csv))
+            if table.num_ranks != self.pipe:
                 raise JaxmemError(
-                    f"{self.schedule_csv} has {s.num_ranks} ranks but --stages is {self.stages}; "
-                    f"pass --stages {s.num_ranks}"
+                    f"{self.schedule_csv} has {table.num_ranks} ranks but {_s('pipe', self.pipe)}; "
+                    f"set {_s('pipe', table.num_ranks)}"
                 )
-            if s.num_microbatches != self.microbatches:
+            if table.num_microbatches != self.microbatches:
                 raise JaxmemError(
-                    f"{self.schedule_csv} has {s.num_microbatches} microbatches but --microbatches is "
-                    f"{self.microbatches}; pass --microbatches {s.num_microbatches}"
+                    f"{self.schedule_csv} has {table.num_microbatches} microbatches but "
+                    f"{_s('microbatches', self.microbatches)}; set {_s('microbatches', table.num_microbatches)}"
                 )
-            return s
-        return generate(self.schedule or "1f1b", self.stages, self.microbatches, self.virtual)
+            return table
+        return generate(self.schedule or "1f1b", self.pipe, self.microbatches, self.virtual)
 
 
-def add_arguments(p) -> None:
-    """Add a flag for every TrainConfig field to an ``argparse`` parser (``jaxmem train``'s options)."""
-    g = p.add_argument_group("model and data")
-    g.add_argument(
-        "--model",
-        help="model preset: tiny (default), gpt2-small, gpt2-medium, gpt2-xl, llama-tiny, llama-1b, llama-8b, "
-        "llama-70b; or your own as package.module:attr, a StagedModel or a function returning one "
-        "(e.g. from jaxmem.models.from_nnx), imported from the current directory or PYTHONPATH",
-    )
-    g.add_argument(
-        "--init-from",
-        metavar="DIR",
-        help="start from a local Hugging Face GPT-2 or Llama directory (config.json, model.safetensors, "
-        "tokenizer.json; as jaxmem export --format hf or save_pretrained write them): the model and, unless "
-        "--tokenizer is given, the tokenizer come from it",
-    )
-    g.add_argument("--dtype", help="compute dtype, e.g. bfloat16 (mixed precision; default: the model's, float32)")
-    g.add_argument("--param-dtype", help="parameter / gradient / optimizer-state dtype (default float32)")
-    g.add_argument(
-        "--attention",
-        choices=["materialized", "fused"],
-        help="a built-in model's attention: materialized (default) or fused (jax.nn.dot_product_attention: no s x s "
-        "probabilities kept for the backward)",
-    )
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default 64)")
-    g.add_argument("--batch-size", type=int, help="global batch in sequences (default 32)")
-    g.add_argument(
-        "--data",
-        metavar="SOURCE",
-        help="text (the embedded corpus, default), synthetic (random tokens), your files: paths, globs or "
-        "directories of .txt/.md, .jsonl and .parquet files, comma-separated, or a Hugging Face dataset: "
-        "hf:NAME[:CONFIG]:SPLIT, read offline from the hub cache or a local dataset directory (jaxmem[hf])",
-    )
-    g.add_argument(
-        "--data-field", help="the JSONL field / Parquet / Hugging Face dataset column with the text (default: text)"
-    )
-    g.add_argument(
-        "--tokenizer",
-        help="byte (default), bpe:N (train a byte-level BPE of N ids on --data; saved with the checkpoints), "
-        "or a tokenizer.json file",
-    )
-    g.add_argument("--vocab-size", type=int, help="a preset model's vocabulary (default: the tokenizer's)")
-    g.add_argument("--eval-fraction", type=float, help="hold out this fraction of the data for eval (default 0)")
-    g.add_argument("--eval-every", type=int, help="eval loss every N steps and at the end (default 0: never)")
-    g.add_argument("--eval-batches", type=int, help="batches per eval (default 4)")
-    g = p.add_argument_group("pipeline")
-    g.add_argument("--schedule", help="schedule name (default 1f1b; see `jaxmem schedule list`)")
-    g.add_argument("--csv", dest="schedule_csv", metavar="FILE", help="run a schedule table from a CSV")
-    g.add_argument("--stages", type=int, help="pipeline ranks P (default 4)")
-    g.add_argument("--microbatches", type=int, help="microbatches per step M (default 8)")
-    g.add_argument("--virtual", type=int, help="stages per rank for interleaved-1f1b")
-    g.add_argument("--layers-per-stage", help="explicit layer split, e.g. 3,3,2 (default balanced)")
-    g.add_argument("--data-parallel", type=int, help="data-parallel replicas D holding whole parameters (default 1)")
-    g.add_argument(
-        "--fsdp",
-        type=int,
-        help="data-parallel replicas F that shard every parameter and gather it per use (FSDP; default 1)",
-    )
-    g.add_argument(
-        "--tensor",
-        type=int,
-        help="devices T that compute each microbatch together, cutting the dimensions the model's "
-        "annotations name (tensor parallelism; default 1)",
-    )
-    g.add_argument(
-        "--mesh",
-        metavar="AXES",
-        help="the mesh in one flag, e.g. data=2,fsdp=2,pipe=2,tensor=2 (sets --data-parallel, --fsdp, --stages "
-        "and --tensor)",
-    )
-    g.add_argument(
-        "--no-zero",
-        dest="zero",
-        action="store_false",
-        default=None,
-        help="keep the optimizer state whole on every replica (by default it and the step's gradients are "
-        "sharded over the data-parallel replicas: ZeRO-1/2)",
-    )
-    g.add_argument(
-        "--no-vocab-split",
-        dest="vocab_split",
-        action="store_false",
-        default=None,
-        help="keep the token embedding and the head whole on every pipe rank (by default their vocabulary "
-        "rows are split over the ranks)",
-    )
-    g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x F x P)")
-    g.add_argument(
-        "--policy",
-        help="memory policy: a preset name or a TOML file (see `jaxmem memory`); a preset ending in "
-        "+keep-gathered (e.g. selective+keep-gathered) keeps FSDP's gathered weights from F to B; or "
-        "chronos-recomp, chronos-offload, chronos-both: generated for this schedule and mesh under --budget, "
-        "as jaxmem plan generates them",
-    )
-    g.add_argument("--plan", choices=["auto"], help="let the planner pick stages, schedule, microbatches, policy")
-    g.add_argument(
-        "--budget", help="device memory per device for --plan auto, --adaptive or a chronos-* policy, e.g. 24GiB"
-    )
-    g.add_argument(
-        "--margin",
-        type=float,
-        help="--plan auto: plan under the budget / (1 + MARGIN), e.g. 0.1 (default: 0 when every device of the "
-        "plan is here, as each pick is compiled and checked; else the ledger's measured error, 0.05)",
-    )
-    g.add_argument(
-        "--hardware",
-        help="profile of --plan auto, --adaptive, a chronos-* --policy and the MFU in --run-dir metrics: h100, "
-        "tpu-v5p or cpu (default: this platform's; measured here on CPU)",
-    )
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint-dir", help="save here and resume from the latest complete checkpoint")
-    g.add_argument("--checkpoint-every", type=int, help="save every N steps (default 10)")
-    g.add_argument("--keep-checkpoints", type=int, help="keep the last K checkpoints (default 3)")
-    g.add_argument(
-        "--restore-step",
-        type=int,
-        help="resume from this checkpoint step (default: the newest that passes its checksums)",
-    )
-    g.add_argument("--sample-log", help="log the sample numbers each step consumed (exactly-once checks)")
-    g = p.add_argument_group("adaptive memory policy (online profiler)")
-    g.add_argument(
-        "--adaptive",
-        action="store_true",
-        default=None,
-        help="pick a memory policy per program signature within --budget",
-    )
-    g.add_argument("--seq-len-schedule", help="sequence-length buckets, e.g. 32,64,128 (a new program each)")
-    g.add_argument("--seq-len-order", choices=["cycle", "random"], help="cycle the buckets (default) or draw them")
-    g.add_argument("--layer-drop", type=float, help="probability a step skips one random layer (default 0)")
-    g.add_argument("--profile-report", metavar="FILE.json", help="write the per-signature table")
-    g.add_argument(
-        "--no-explore",
-        dest="explore",
-        action="store_false",
-        default=None,
-        help="never compile a policy just to measure it (by default the profiler times an untried "
-        "policy beside a signature's program, in the background, when the rest of the run pays for it)",
-    )
-    g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, help="optimizer steps (default 300)")
-    g.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    g.add_argument("--lr-schedule", choices=["constant", "cosine"], help="after warmup (default constant)")
-    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 0)")
-    g.add_argument("--min-lr-ratio", type=float, help="cosine's final lr as a fraction of --lr (default 0.1)")
-    g.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay on matrices (default 0: Adam)")
-    g.add_argument("--grad-clip", type=float, help="clip the global gradient norm to this (default: no clipping)")
-    g.add_argument("--run-dir", help="write metrics.jsonl, TensorBoard events and a loss plot here")
-    g.add_argument("--log-every", type=int, help="a progress line / metrics record every N steps (default 10)")
-    g.add_argument("--seed", type=int, help="initialisation and data-order seed (default 0)")
-    g.add_argument("--config", help="TOML file with any of these settings; flags override it")
-
-
-def from_args(args, *, defaults=None, overrides=None) -> TrainConfig:
-    """Merge defaults < ``defaults`` < TOML file < flags (parsed by :func:`add_arguments`) <
-    ``overrides`` into a TrainConfig. ``defaults`` and ``overrides`` name fields (and ``mesh``, see
-    :func:`with_overrides`): a launched worker's run folders and recovered layout."""
-
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values: dict = _overridden({}, defaults, "default")
-    if getattr(args, "config", None):
-        for key, value in load_toml(args.config).items():
-            name = key.replace("-", "_")
-            if name == "csv":
-                name = "schedule_csv"
-            if name not in fields and name != "mesh":
-                raise JaxmemError(
-                    f"{args.config}: unknown setting {key!r}; valid settings: {', '.join(sorted(fields))}"
-                )
-            values[name] = value
-    for name in fields:
-        flag_value = getattr(args, name, None)
-        if flag_value is not None:
-            values[name] = flag_value
-    mesh = values.pop("mesh", None) or getattr(args, "mesh", None)
-    if mesh:
-        for name, size in parse_mesh(mesh).items():
-            field = MESH_FIELDS[name]
-            if getattr(args, field, None) is not None:
-                raise JaxmemError(f"--mesh sets {name}; drop --{field.replace('_', '-')} (or --mesh)")
-            values[field] = size
-    if isinstance(values.get("seq_len_schedule"), str):
-        values["seq_len_schedule"] = parse_int_list(values["seq_len_schedule"], "--seq-len-schedule")
-    if isinstance(values.get("budget"), str):
-        values["budget"] = parse_bytes(values["budget"])
-    if isinstance(values.get("layers_per_stage"), str):
-        values["layers_per_stage"] = parse_int_list(values["layers_per_stage"], "--layers-per-stage")
-    if values.get("schedule_csv") and values.get("schedule") is not None:
-        raise JaxmemError("--csv runs the schedule in its table; drop --schedule (or --csv)")
-    if values.get("plan") == "auto":
-        chosen = [n for n in _PLANNED if values.get(n) is not None]
-        if chosen:
-            flags = ", ".join("--" + ("csv" if n == "schedule_csv" else n.replace("_", "-")) for n in chosen)
-            raise JaxmemError(f"--plan auto chooses {flags} itself; drop {flags} (or --plan auto)")
-    if values.get("schedule_csv"):
-        values["schedule"] = None
-    return TrainConfig(**_overridden(values, overrides, "override"))
-
-
-# --mesh axis names and the settings they are.
-MESH_FIELDS = {"data": "data_parallel", "fsdp": "fsdp", "pipe": "stages", "tensor": "tensor"}
+# The mesh's axis names and the settings they are.
+MESH_FIELDS = {"data": "data_parallel", "fsdp": "fsdp", "pipe": "pipe", "tensor": "tensor"}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -667,23 +555,56 @@ def parse_mesh(text: str) -> dict[str, int]:
         name = name.strip()
         if not eq or name not in MESH_FIELDS or not value.strip().isdigit() or int(value) < 1:
             raise JaxmemError(
-                f"--mesh takes axis=size pairs over {', '.join(MESH_FIELDS)} with sizes >= 1, e.g. "
+                f"{setting('mesh')} takes axis=size pairs over {', '.join(MESH_FIELDS)} with sizes >= 1, e.g. "
                 f"data=2,fsdp=2,pipe=2,tensor=2; got {text!r}"
             )
         if name in seen:
-            raise JaxmemError(f"--mesh names {name} twice: {text!r}")
+            raise JaxmemError(f"{setting('mesh')} names {name} twice: {text!r}")
         seen.add(name)
         sizes[name] = int(value)
     return sizes
 
 
+def config_from(settings, *, defaults=None, overrides=None) -> TrainConfig:
+    """A :class:`TrainConfig` from ``settings`` by name (its fields, as :func:`load_settings` reads
+    them from a file), with ``defaults`` below them and ``overrides`` above. ``defaults`` and
+    ``overrides`` may hold a ``mesh`` (see :func:`with_overrides`): a launched worker's run folders
+    and a recovery's layout.
+
+    >>> config_from({"steps": 5}, defaults={"steps": 9, "seed": 3}, overrides={"mesh": "pipe=2"}).pipe
+    2
+    """
+    values = _overridden({}, defaults, "default")
+    return TrainConfig(**_overridden(_overridden(values, settings, "setting"), overrides, "override"))
+
+
+# Keys a settings file may use for a field under another name: the flag's (csv) and older ones.
+_OLDER_NAMES = {"csv": "schedule_csv", "stages": "pipe"}
+
+
+def load_settings(path) -> dict:
+    """The settings of a TOML file by :class:`TrainConfig` field name (``pipe = 4``,
+    ``lr-schedule = "cosine"``; ``csv`` names ``schedule_csv``, and ``stages``, the older name,
+    ``pipe``; ``mesh = "pipe=2,data=2"`` stays as it is). An unknown key is an error that lists the
+    valid ones."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    for key, value in load_toml(path).items():
+        name = _OLDER_NAMES.get(key.replace("-", "_"), key.replace("-", "_"))
+        if name not in fields and name != "mesh":
+            raise JaxmemError(f"{path}: unknown setting {key!r}; valid settings: {', '.join(sorted(fields))}")
+        values[name] = value
+    return values
+
+
 def with_overrides(config: TrainConfig, overrides) -> TrainConfig:
     """``config`` with settings replaced by name (as :class:`TrainConfig`'s fields), checked as a new
-    configuration. A ``mesh`` entry (``"data=1,pipe=2,tensor=2"`` or a dict of axis sizes) sets the
+    configuration. A ``mesh`` entry (``"data=1,pipe=2,tensor=2"``, a :class:`MeshSpec` or a dict of
+    axis sizes) sets the
     four mesh sizes at once, the axes it leaves out to 1, and drops ``devices`` (the mesh decides
     them): how ``jaxmem launch`` hands a recovery's next layout to its workers.
 
-    >>> with_overrides(TrainConfig(stages=4, data_parallel=2), {"mesh": "pipe=2", "steps": 9}).stages
+    >>> with_overrides(TrainConfig(pipe=4, data_parallel=2), {"mesh": "pipe=2", "steps": 9}).pipe
     2
     """
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)}
@@ -700,6 +621,8 @@ def _overridden(values: dict, overrides, what: str) -> dict:
         raise JaxmemError(f"unknown settings {unknown} to {what}; valid: mesh, {', '.join(sorted(fields))}")
     mesh = new.pop("mesh", None)
     if mesh is not None:
+        if isinstance(mesh, MeshSpec):
+            mesh = str(mesh)
         sizes = parse_mesh(mesh) if isinstance(mesh, str) else {**dict.fromkeys(MESH_FIELDS, 1), **mesh}
         if set(sizes) - set(MESH_FIELDS):
             raise JaxmemError(f"a mesh to {what} names axes of {', '.join(MESH_FIELDS)}; got {mesh!r}")
@@ -707,33 +630,3 @@ def _overridden(values: dict, overrides, what: str) -> dict:
     if isinstance(new.get("layers_per_stage"), list):
         new["layers_per_stage"] = tuple(new["layers_per_stage"])
     return {**values, **new}
-
-
-# What --plan auto chooses (jaxmem.train's plan step); setting one of them as well is refused.
-_PLANNED = (
-    "schedule",
-    "schedule_csv",
-    "stages",
-    "data_parallel",
-    "fsdp",
-    "tensor",
-    "microbatches",
-    "virtual",
-    "policy",
-)
-
-
-def parse_train_args(argv, *, defaults=None, overrides=None) -> TrainConfig:
-    """A TrainConfig from ``jaxmem train``'s command-line arguments (e.g. a launched job's), with
-    ``defaults`` below them and ``overrides`` above (:func:`from_args`)."""
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one line, not jaxmem train's whole usage
-            raise JaxmemError(f"the jaxmem train arguments: {message} (see jaxmem train --help)")
-
-    parser = Parser(add_help=False)
-    add_arguments(parser)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quiet", action="store_true")
-    return from_args(parser.parse_args([str(a) for a in argv]), defaults=defaults, overrides=overrides)

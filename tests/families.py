@@ -215,13 +215,13 @@ def family(name: str, layers: int = 8):
 
 def ledger_against_compiled(model, schedule: str, policy: str, **axes) -> tuple[float, float, float]:
     """``(predicted, compiled, error)`` device bytes of one train step (batch 32 x 64, M=8; ``axes``:
-    ``stages`` (default 4), ``data_parallel``, ``fsdp``, ``tensor``), from ``jaxmem memory
+    ``pipe`` (default 4), ``data_parallel``, ``fsdp``, ``tensor``), from ``jaxmem memory
     --compile yes``'s report; the error is the rank's with the largest ``predicted / compiled - 1`` in
     size."""
     from jaxmem.cli.memory import ledger_report
     from jaxmem.config import TrainConfig
 
-    axes = {"stages": 4, **axes}
+    axes = {"pipe": 4, **axes}
     config = TrainConfig(
         model=model,
         schedule=schedule,

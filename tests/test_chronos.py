@@ -121,9 +121,7 @@ def test_plan_pick_fits_the_compiled_program(cpu):
     best = result.best
     assert best is not None and best.device_bytes <= budget
     trainer = Trainer(
-        TrainConfig(
-            schedule=best.schedule, stages=best.pipe, microbatches=best.microbatches, policy=best.policy, steps=1
-        )
+        TrainConfig(schedule=best.schedule, pipe=best.pipe, microbatches=best.microbatches, policy=best.policy, steps=1)
     )
     report = compare(predict(config, trainer.schedule, best.policy, batch=32, seq=64), trainer.measure_memory())
     compiled = report["ranks"][0]["compiled_device_bytes"] - report["meta"]["host_space_counted_as_device_on_cpu"]
@@ -174,9 +172,9 @@ from jaxmem.train import Trainer
 
 model = get_model("tiny", n_layers=4)  # half the tiny GPT's depth: half the compile, the same order
 configs = [
-    TrainConfig(schedule="1f1b", stages=2, data_parallel=2, microbatches=4, policy="recompute-all", model=model),
-    TrainConfig(schedule="1f1b", stages=2, microbatches=1, policy="save-all", model=model),
-    TrainConfig(schedule="zbv", stages=2, data_parallel=2, microbatches=16, policy="save-all", model=model),
+    TrainConfig(schedule="1f1b", pipe=2, data_parallel=2, microbatches=4, policy="recompute-all", model=model),
+    TrainConfig(schedule="1f1b", pipe=2, microbatches=1, policy="save-all", model=model),
+    TrainConfig(schedule="zbv", pipe=2, data_parallel=2, microbatches=16, policy="save-all", model=model),
 ]
 cpu = get_hardware("cpu")
 predicted = [
@@ -313,7 +311,7 @@ def test_the_planners_train_command_makes_its_pick_and_memory_takes_it(capsys):
     import shlex
 
     from jaxmem.cli import main
-    from jaxmem.config import parse_train_args
+    from jaxmem.cli._train_args import parse_train_args
 
     assert main(["plan", "--model", "tiny", "--devices", "4", "--budget", "2MiB", "--pipe", "4", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
@@ -419,7 +417,7 @@ def test_chronos_trains(capsys):
             "train",
             "--schedule",
             "chronos",
-            "--stages",
+            "--pipe",
             "2",
             "--microbatches",
             "2",

@@ -16,7 +16,7 @@ def run(capsys, *argv):
 
 
 def test_simulate_json_keys(capsys):
-    code, out, _ = run(capsys, "schedule", "simulate", "1f1b", "--stages", "4", "--microbatches", "8", "--json")
+    code, out, _ = run(capsys, "schedule", "simulate", "1f1b", "--pipe", "4", "--microbatches", "8", "--json")
     assert code == 0
     record = json.loads(out)
     for key in (
@@ -35,7 +35,7 @@ def test_simulate_json_keys(capsys):
 
 def test_show_list_and_table(capsys):
     assert run(capsys, "schedule", "list")[0] == 0
-    code, out, _ = run(capsys, "schedule", "show", "zbv", "--stages", "2", "--microbatches", "2")
+    code, out, _ = run(capsys, "schedule", "show", "zbv", "--pipe", "2", "--microbatches", "2")
     assert code == 0 and "rank 1" in out and "3F0" in out
 
 
@@ -63,7 +63,7 @@ def test_check_reports_invalid_schedule(capsys, tmp_path):
     "argv,message",
     [
         (["schedule", "simulate", "2f2b"], "unknown schedule '2f2b'; valid names"),
-        (["schedule", "show", "interleaved-1f1b", "--stages", "4", "--microbatches", "6"], "use M in 4, 8"),
+        (["schedule", "show", "interleaved-1f1b", "--pipe", "4", "--microbatches", "6"], "use M in 4, 8"),
         (["schedule", "check", "/nonexistent/x.csv"], "does not exist"),
         (["schedule", "simulate"], "name a schedule"),
     ],

@@ -5,9 +5,11 @@ import os
 
 import pytest
 
+from jaxmem._errors import JaxmemError
 from jaxmem.cli import main
+from jaxmem.config import TrainConfig
 
-SMALL = ["--stages", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16"]
+SMALL = ["--pipe", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16"]
 
 
 def test_train_json_summary(capsys):
@@ -21,7 +23,7 @@ def test_train_json_summary(capsys):
         "loss_last",
         "tokens_per_second",
         "schedule",
-        "stages",
+        "pipe",
         "microbatches",
         "devices",
     ):
@@ -41,17 +43,34 @@ def test_config_file_and_flag_override(tmp_path, capsys):
     "argv,message",
     [
         (["train", "--model", "gpt5"], "unknown model preset 'gpt5'"),
-        (["train", "--stages", "3", "--microbatches", "3", "--batch-size", "6"], "do not split evenly"),
+        (["train", "--pipe", "3", "--microbatches", "3", "--batch-size", "6"], "e.g. --layers-per-stage 3,3,2"),
         (["train", "--batch-size", "30"], "not divisible"),
         (["train", "--schedule", "2f2b"], "unknown schedule"),
-        (["train", "--steps", "0"], "steps must be an integer >= 1"),
-        (["train", "--layers-per-stage", "a,b"], "comma-separated integers"),
+        (["train", "--steps", "0"], "--steps must be an integer >= 1"),
+        (["train", "--layers-per-stage", "a,b"], "--layers-per-stage takes comma-separated integers"),
+        (["train", "--schedule", "1f1b", "--virtual", "2"], "drop --virtual 2"),
+        (
+            ["train", "--lr-schedule", "cosine", "--warmup-steps", "5", "--steps", "3"],
+            "--warmup-steps 5 leaves no steps of the cosine decay (--steps 3)",
+        ),
     ],
 )
 def test_train_bad_input(capsys, argv, message):
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_the_library_names_a_setting_as_its_caller_wrote_it(capsys):
+    """The same check, from Python and from the command line: each error speaks its caller's words."""
+    from jaxmem._errors import setting
+
+    with pytest.raises(JaxmemError, match=r"warmup_steps=5 leaves no steps of the cosine decay \(steps=3\)"):
+        TrainConfig(lr_schedule="cosine", warmup_steps=5, steps=3)
+    assert main(["train", "--policy", "chronos-recomp"]) == 2
+    err = capsys.readouterr().err
+    assert "--policy chronos-recomp is generated" in err and "set --budget" in err and "policy=" not in err
+    assert setting("budget") == "budget"  # the command's phrasing ended with the command
 
 
 def test_unknown_config_key(tmp_path, capsys):
@@ -62,7 +81,7 @@ def test_unknown_config_key(tmp_path, capsys):
 
 
 def test_verify_json(capsys):
-    code = main(["verify", "--schedule", "zb-h1", "--stages", "2", "--microbatches", "4", "--json"])
+    code = main(["verify", "--schedule", "zb-h1", "--pipe", "2", "--microbatches", "4", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0
     for key in ("ok", "max_abs_diff", "max_rel_diff", "schedule"):
@@ -86,9 +105,9 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["train", "--devices", "2", "--stages", "2", "--steps", "1"],
-        ["verify", "--devices", "2", "--stages", "2"],
-        ["memory", "--stages", "2", "--compile", "no"],
+        ["train", "--devices", "2", "--pipe", "2", "--steps", "1"],
+        ["verify", "--devices", "2", "--pipe", "2"],
+        ["memory", "--pipe", "2", "--compile", "no"],
     ],
     ids=lambda argv: argv[0],
 )
@@ -109,7 +128,9 @@ def check(count):
     raise SystemExit(0)
 
 command.setup_devices = check
+from jaxmem._errors import JaxmemError
 from jaxmem.cli import main
+from jaxmem.config import TrainConfig
 main({argv!r})
 """
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -38,7 +38,7 @@ def _run(trainer, state, steps):
 
 
 def test_resume_on_an_unchanged_plan_is_bit_exact(tmp_path):
-    config = TrainConfig(stages=2, **SMALL)
+    config = TrainConfig(pipe=2, **SMALL)
     straight = Trainer(config)
     state, losses = _run(straight, straight.init_state(), 6)
 
@@ -58,9 +58,9 @@ def test_resume_on_an_unchanged_plan_is_bit_exact(tmp_path):
 
 def test_restore_onto_fewer_devices_8_6_4(tmp_path):
     plans = [
-        dict(stages=4, data_parallel=2),
-        dict(stages=3, data_parallel=2, layers_per_stage=(3, 3, 2)),
-        dict(stages=4, data_parallel=1),
+        dict(pipe=4, data_parallel=2),
+        dict(pipe=3, data_parallel=2, layers_per_stage=(3, 3, 2)),
+        dict(pipe=4, data_parallel=1),
     ]
     trainer = Trainer(TrainConfig(**plans[0], **SMALL))
     state = trainer.init_state()
@@ -73,7 +73,7 @@ def test_restore_onto_fewer_devices_8_6_4(tmp_path):
         trainer = Trainer(TrainConfig(**plan, **SMALL))
         restored = Checkpointer(tmp_path / f"c{i}").restore(trainer.restore_target())
         state = trainer.import_state(restored.state, restored.meta)
-        assert trainer.mesh.size == plan["stages"] * plan["data_parallel"]
+        assert trainer.mesh.size == plan["pipe"] * plan["data_parallel"]
         for a, b in zip(_params(trainer, state), reference):
             np.testing.assert_array_equal(a, b)
     state, losses = _run(trainer, state, 1)
@@ -81,7 +81,7 @@ def test_restore_onto_fewer_devices_8_6_4(tmp_path):
 
 
 def test_corrupted_array_is_caught_by_the_manifest(tmp_path):
-    trainer = Trainer(TrainConfig(stages=2, **SMALL))
+    trainer = Trainer(TrainConfig(pipe=2, **SMALL))
     state = trainer.init_state()
     ckpt = Checkpointer(tmp_path / "ckpt", every=1)
     ckpt.save(1, *trainer.export_state(state))
@@ -195,7 +195,7 @@ def test_no_step_that_verifies_and_a_step_without_a_manifest_are_refused(tmp_pat
 
 
 def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path, monkeypatch):
-    config = TrainConfig(stages=2, **SMALL)
+    config = TrainConfig(pipe=2, **SMALL)
     trainer = Trainer(config)
     ckpt = Checkpointer(tmp_path / "ckpt", every=1)
     ckpt.save(1, *trainer.export_state(trainer.init_state()))
@@ -207,7 +207,7 @@ def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path, monkeypa
         m.setattr(Trainer, "init_state", lambda *a, **k: pytest.fail("the state was built before the check"))
         for change, message in (
             (dict(vocab_size=300), "saved by a different model or optimizer .*6 shape.s. differ"),
-            (dict(seed=5), "trained with --seed 0, this run has --seed 5"),
+            (dict(seed=5), "trained with seed=0, this run has seed=5"),
         ):
             run = dataclasses.replace(config, **change, steps=3, checkpoint_dir=str(tmp_path / "ckpt"))
             with pytest.raises(JaxmemError, match=message):
@@ -219,17 +219,17 @@ def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path, monkeypa
         ckpt.restore(other.restore_target())
     restored = ckpt.restore(trainer.restore_target())
     ckpt.close()
-    with pytest.raises(JaxmemError, match="trained with --seed 0, this run has --seed 5"):
+    with pytest.raises(JaxmemError, match="trained with seed=0, this run has seed=5"):
         Trainer(dataclasses.replace(config, seed=5)).import_state(restored.state, restored.meta)
     # A sample number names a window of --seq-len + 1 tokens: another length would repeat and skip text.
     shorter = config.seq_len // 2
-    with pytest.raises(JaxmemError, match=f"trained with --seq-len {config.seq_len}, this run has --seq-len {shorter}"):
+    with pytest.raises(JaxmemError, match=f"trained with seq_len={config.seq_len}, this run has seq_len={shorter}"):
         Trainer(dataclasses.replace(config, seq_len=shorter)).import_state(restored.state, restored.meta)
 
 
 def test_an_unfinished_save_never_becomes_latest(tmp_path):
     """In a surviving process: while an async save is in flight, latest_step is the previous one."""
-    trainer = Trainer(TrainConfig(stages=2, **SMALL))
+    trainer = Trainer(TrainConfig(pipe=2, **SMALL))
     state = trainer.init_state()
     ckpt = Checkpointer(tmp_path / "ckpt", every=1)
     exported, meta = trainer.export_state(state)
@@ -298,14 +298,14 @@ def test_recovery_planning_with_a_measured_step_compiles_nothing(monkeypatch):
 
     monkeypatch.setattr(_cost, "_CALIBRATED", {})
     monkeypatch.setattr(_cost, "calibrate_cpu", no_compiling)
-    config = TrainConfig(stages=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
+    config = TrainConfig(pipe=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
     plan = _plan(config, cores=2)
     unchanged = next(c for c in plan.candidates if c.name == "restart-on-spares")
     assert unchanged.step_seconds == pytest.approx(0.5)  # the measured step, exactly
 
 
 def test_recovery_planner_scores_every_strategy():
-    config = TrainConfig(stages=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
+    config = TrainConfig(pipe=4, data_parallel=2, microbatches=4, batch_size=16, seq_len=32, steps=100)
     plan = _plan(config)
     names = {c.name for c in plan.candidates}
     assert {"restart-on-spares", "shrink-data-parallel", "re-partition"} <= names
@@ -342,7 +342,7 @@ def test_shared_core_model_and_calibration():
     own = cost.estimate("tiny", generate("1f1b", 4, 4), batch=32, seq=64, hardware=cpu, memory=False)
     assert own.step_seconds == own.simulation.makespan < est.step_seconds
 
-    config = TrainConfig(stages=4, microbatches=4, batch_size=32, seq_len=64, steps=48)
+    config = TrainConfig(pipe=4, microbatches=4, batch_size=32, seq_len=64, steps=48)
     plan = _plan(config, nprocs=2, steps_done=19, last_checkpoint=16, measured_step_seconds=0.3, cores=2)
     by_name = {c.name: c for c in plan.candidates}
     assert by_name["restart-on-spares"].step_seconds == pytest.approx(0.3)
@@ -406,7 +406,7 @@ def test_elastic_recovery_cli_and_its_errors(capsys):
             "1",
             "--json",
             "--",
-            "--stages",
+            "--pipe",
             "4",
             "--microbatches",
             "4",
@@ -420,14 +420,14 @@ def test_elastic_recovery_cli_and_its_errors(capsys):
     assert code == 0 and record["choice"]["name"] == "re-partition"
     assert any(c["name"] == "reroute" and not c["runnable"] for c in record["candidates"])
     # --hardware cpu: the launcher's view, the machine's cores shared by the devices.
-    train_args = ["--stages", "4", "--microbatches", "4", "--batch-size", "32", "--seq-len", "64", "--steps", "48"]
+    train_args = ["--pipe", "4", "--microbatches", "4", "--batch-size", "32", "--seq-len", "64", "--steps", "48"]
     cpu_args = ["--devices-per-proc", "2", "--hardware", "cpu", "--step-seconds", "0.3", "--json", "--", *train_args]
     code = main(["elastic", "recovery", "--devices", "4", "--failed", "1", *cpu_args])
     record = json.loads(capsys.readouterr().out)
     from jaxmem.memory import cpu_cores
 
     expected = _plan(
-        TrainConfig(stages=4, microbatches=4, batch_size=32, seq_len=64, steps=48),
+        TrainConfig(pipe=4, microbatches=4, batch_size=32, seq_len=64, steps=48),
         nprocs=2,
         spares=0,
         steps_done=0,
@@ -438,7 +438,7 @@ def test_elastic_recovery_cli_and_its_errors(capsys):
         cores=cpu_cores(),
     )
     assert code == 0 and record["choice"]["step_seconds"] == pytest.approx(expected.choice.step_seconds)
-    code = main(["elastic", "recovery", "--devices", "8", "--failed", "1", "--", "--stages", "4"])
+    code = main(["elastic", "recovery", "--devices", "8", "--failed", "1", "--", "--pipe", "4"])
     assert code == 2 and "does not match the job" in capsys.readouterr().err
     code = main(["launch", "--nprocs", "100000", "--", "--steps", "1"])
     assert code == 2 and "more than this machine can start" in capsys.readouterr().err
@@ -447,7 +447,7 @@ def test_elastic_recovery_cli_and_its_errors(capsys):
 def test_no_survivor_plan_names_the_smallest_configuration():
     from jaxmem.elastic import RecoveryError, choose_recovery
 
-    config = TrainConfig(stages=2, microbatches=2, batch_size=4, steps=10)
+    config = TrainConfig(pipe=2, microbatches=2, batch_size=4, steps=10)
     with pytest.raises(RecoveryError, match="smallest runnable configuration"):
         choose_recovery(config, devices_per_proc=1, nprocs=2, failed=[0, 1], steps_done=3, last_checkpoint=2)
 
@@ -458,7 +458,7 @@ def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
     last checkpoint, and the run ends with the failure-free losses."""
     run_dir = tmp_path / "run"
     args = [
-        "--stages",
+        "--pipe",
         "2",
         "--microbatches",
         "2",
@@ -515,7 +515,7 @@ def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
     ids = [int(i) for x in lines for i in x[1:]]
     assert sorted(ids) == list(range(40))
     # The failure-free run, in this process: the same losses (plan changed: P=2 -> P=1).
-    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, steps=10))
+    trainer = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16, steps=10))
     _, reference = _run(trainer, trainer.init_state(), 10)
     np.testing.assert_allclose(summary["losses"], reference[-len(summary["losses"]) :], rtol=1e-5)
     assert time.time() - start < 560
@@ -594,7 +594,7 @@ def test_a_sigstopped_worker_is_found_by_its_heartbeat_and_blamed(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ)  # the launcher sets each worker's device count, keeping the other XLA flags
     cmd = [sys.executable, "-m", "jaxmem", "launch", "--nprocs", "2", "--run-dir", str(run_dir), "--timeout", "250",
-           "--heartbeat-seconds", "8", "--max-restarts", "0", "--", "--stages", "2", "--microbatches", "2",
+           "--heartbeat-seconds", "8", "--max-restarts", "0", "--", "--pipe", "2", "--microbatches", "2",
            "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]  # fmt: skip
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     samples, deadline = run_dir / "samples.log", time.time() + 200
@@ -622,7 +622,7 @@ def test_a_sigstopped_worker_is_found_by_its_heartbeat_and_blamed(tmp_path):
 
 def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_not_a_failure(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["--stages", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]
+    args = ["--pipe", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]
     env = dict(os.environ)  # the launcher sets each worker's device count, keeping the other XLA flags
     cmd = [sys.executable, "-m", "jaxmem", "launch", "--nprocs", "2", "--run-dir", str(run_dir), "--timeout", "400"]
     proc = subprocess.Popen(
@@ -705,7 +705,7 @@ def test_train_joins_a_slurm_job_by_its_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("JAXMEM_DISTRIBUTED")
     assert cluster_job() is None  # a one-task job runs alone
 
-    argv = [sys.executable, "-m", "jaxmem", "train", "--stages", "2", "--microbatches", "2", "--batch-size", "4"]
+    argv = [sys.executable, "-m", "jaxmem", "train", "--pipe", "2", "--microbatches", "2", "--batch-size", "4"]
     argv += ["--seq-len", "16", "--steps", "3", "--quiet", "--json"]
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     base["XLA_FLAGS"] = with_host_devices(os.environ["XLA_FLAGS"], 1)
@@ -729,7 +729,7 @@ def test_train_joins_a_slurm_job_by_its_environment(tmp_path, monkeypatch):
         assert "joining a SLURM job of 2 processes" in err
     records = [json.loads(out[out.index("{\n") :]) for out, _ in outs]
     assert [r["processes"] for r in records] == [2, 2]
-    alone = Trainer(TrainConfig(stages=2, **SMALL))
+    alone = Trainer(TrainConfig(pipe=2, **SMALL))
     _, reference = _run(alone, alone.init_state(), 3)
     np.testing.assert_allclose(records[0]["losses"], reference, rtol=1e-5)
 
@@ -741,8 +741,9 @@ def test_the_workers_get_the_users_arguments_and_the_launchers_settings_apart(tm
     from pathlib import Path
 
     from jaxmem._util import SETTINGS_ENV, launch_settings
-    from jaxmem.config import parse_train_args, with_overrides
-    from jaxmem.elastic._launcher import _run_defaults
+    from jaxmem.cli._train_args import parse_train_args
+    from jaxmem.config import with_overrides
+    from jaxmem.elastic._launcher import run_defaults
 
     run = Path(tmp_path)
     args = [
@@ -750,7 +751,7 @@ def test_the_workers_get_the_users_arguments_and_the_launchers_settings_apart(tm
         "12",
         "--no-zero",
         "--checkpoint-dir=ck",
-        "--stages",
+        "--pipe",
         "4",
         "--devices",
         "4",
@@ -759,7 +760,7 @@ def test_the_workers_get_the_users_arguments_and_the_launchers_settings_apart(tm
     ]
     settings = run / "attempt-1.json"
     recovered = {"mesh": "data=2,pipe=2", "layers_per_stage": [3, 5]}
-    settings.write_text(json.dumps({"defaults": _run_defaults(run), "overrides": recovered}))
+    settings.write_text(json.dumps({"defaults": run_defaults(run), "overrides": recovered}))
     config = parse_train_args(args, **launch_settings({SETTINGS_ENV: str(settings)}))
     assert (config.steps, config.checkpoint_dir, config.zero, config.sample_log) == (
         12,
@@ -767,12 +768,12 @@ def test_the_workers_get_the_users_arguments_and_the_launchers_settings_apart(tm
         False,
         str(run / "samples.log"),
     )
-    assert (config.data_parallel, config.stages, config.fsdp, config.tensor, config.devices) == (2, 2, 1, 1, None)
+    assert (config.data_parallel, config.pipe, config.fsdp, config.tensor, config.devices) == (2, 2, 1, 1, None)
     assert config.layers_per_stage == (3, 5)
     # --restore-step needs a checkpoint folder: the run's, when the user gave none.
-    config = parse_train_args(["--restore-step", "3"], defaults=_run_defaults(run))
+    config = parse_train_args(["--restore-step", "3"], defaults=run_defaults(run))
     assert config.checkpoint_dir == str(run / "checkpoints")
-    assert with_overrides(config, recovered).stages == 2
+    assert with_overrides(config, recovered).pipe == 2
     assert launch_settings({}) == {}
     with pytest.raises(JaxmemError, match="unknown settings \\['stage'\\] to override"):
         with_overrides(config, {"stage": 2})
@@ -818,7 +819,7 @@ def test_a_second_launch_into_a_live_run_dir_touches_nothing(tmp_path):
     (tmp_path / "worker-0-0.log").write_text("the live worker's log")
     try:
         with pytest.raises(JaxmemError, match=f"run dir of a live jaxmem launch \\(pid {os.getpid()}"):
-            launch(["--steps", "1"], nprocs=1, run_dir=str(tmp_path))
+            launch(["--steps", "1"], config=TrainConfig(steps=1), nprocs=1, run_dir=str(tmp_path))
         assert (tmp_path / "worker-0-0.log").read_text() == "the live worker's log"
         assert sorted(p.name for p in tmp_path.iterdir()) == [".jaxmem-launch.lock", "worker-0-0.log"]
     finally:
@@ -829,12 +830,12 @@ def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
     """A run on fsdp and tensor axes recovers onto meshes that keep its tensor cut, count every axis
     against the surviving devices, and carry each layout's predicted bytes; a layout over --budget is
     scored but not run; the next attempt gets the whole mesh in one override."""
-    from jaxmem.config import parse_train_args
+    from jaxmem.cli._train_args import parse_train_args
     from jaxmem.elastic import RecoveryError
     from jaxmem.elastic._launcher import _recovered_overrides
 
     config = TrainConfig(
-        model="llama-tiny", stages=2, fsdp=2, tensor=2, microbatches=2, batch_size=8, seq_len=32, steps=100
+        model="llama-tiny", pipe=2, fsdp=2, tensor=2, microbatches=2, batch_size=8, seq_len=32, steps=100
     )
     plan = _plan(config, spares=1)
     by_name = {c.name: c for c in plan.candidates}
@@ -842,9 +843,9 @@ def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
     assert "reroute" not in by_name and "shrink-data-parallel" not in by_name  # D=1, and T, F cut each stage
     for c in plan.candidates:
         assert c.tensor == 2 and c.device_bytes > 0
-        assert c.stages * c.data_parallel * c.fsdp * c.tensor <= (8 if c.name == "restart-on-spares" else 6)
+        assert c.pipe * c.data_parallel * c.fsdp * c.tensor <= (8 if c.name == "restart-on-spares" else 6)
     whole, fewer = by_name["restart-on-spares"], by_name["shrink-fsdp"]
-    assert (fewer.fsdp, fewer.stages, fewer.nprocs) == (1, 2, 2)
+    assert (fewer.fsdp, fewer.pipe, fewer.nprocs) == (1, 2, 2)
     assert fewer.device_bytes > whole.device_bytes  # each device holds more of the parameters
     assert fewer.mesh == "data=1,fsdp=1,pipe=2,tensor=2" and "F=2 T=2" in " ".join(plan.explain())
     budget = (whole.device_bytes + fewer.device_bytes) / 2
@@ -855,7 +856,7 @@ def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
         _plan(config, spares=0, budget=budget)
 
     # Replicas lost with a process: device i is in replica i // (P T), its fsdp group goes with it.
-    config = TrainConfig(stages=2, data_parallel=2, fsdp=2, microbatches=2, batch_size=16, seq_len=32, steps=100)
+    config = TrainConfig(pipe=2, data_parallel=2, fsdp=2, microbatches=2, batch_size=16, seq_len=32, steps=100)
     one = {c.name: c for c in _plan(config, spares=0).candidates}  # process 1: devices 2, 3 -> group 0
     assert one["shrink-data-parallel"].data_parallel == 1 and one["shrink-data-parallel"].fsdp == 2
     both = {c.name for c in _plan(config, spares=0, failed=[1, 2]).candidates}  # groups 0 and 1
@@ -863,25 +864,25 @@ def test_recovery_keeps_the_runs_sharded_layout_and_prices_its_memory():
 
     args = ["--model", "llama-tiny", "--mesh", "fsdp=2,pipe=2,tensor=2", "--devices", "8", "--steps", "9"]
     again = parse_train_args(args, overrides=_recovered_overrides(fewer))
-    assert (again.data_parallel, again.fsdp, again.stages, again.tensor, again.steps) == (1, 1, 2, 2, 9)
-    args = ["--stages", "2", "--fsdp", "2", "--tensor", "2", "--model", "llama-tiny"]
+    assert (again.data_parallel, again.fsdp, again.pipe, again.tensor, again.steps) == (1, 1, 2, 2, 9)
+    args = ["--pipe", "2", "--fsdp", "2", "--tensor", "2", "--model", "llama-tiny"]
     again = parse_train_args(args, overrides=_recovered_overrides(by_name["re-partition"]))
-    assert (again.stages, again.fsdp, again.tensor, tuple(again.layers_per_stage)) == (1, 2, 2, (8,))
+    assert (again.pipe, again.fsdp, again.tensor, tuple(again.layers_per_stage)) == (1, 2, 2, (8,))
 
 
 @pytest.mark.parametrize("schedule,virtual", [("interleaved-1f1b", 2), ("zbv", None)])
 def test_recovery_of_a_run_with_several_stages_per_rank_splits_every_stage(schedule, virtual):
     """Layer counts cover the schedule's P x V stages (they covered P ranks: planning failed with
     'lists 2 stages, but the schedule has 4'), and the next attempt's arguments run."""
-    from jaxmem.config import parse_train_args
+    from jaxmem.cli._train_args import parse_train_args
     from jaxmem.elastic._launcher import _recovered_overrides
 
-    config = TrainConfig(schedule=schedule, virtual=virtual, stages=2, data_parallel=2, microbatches=4, steps=20)
+    config = TrainConfig(schedule=schedule, virtual=virtual, pipe=2, data_parallel=2, microbatches=4, steps=20)
     plan = _plan(config, spares=0, failed=[3])
     by_name = {c.name: c for c in plan.candidates}
     assert by_name["shrink-data-parallel"].layers_per_stage == (2, 2, 2, 2)
     assert by_name["re-partition"].layers_per_stage == (4, 4) and "reroute" not in by_name
-    args = ["--schedule", schedule, "--stages", "2", "--data-parallel", "2", "--microbatches", "4"]
+    args = ["--schedule", schedule, "--pipe", "2", "--data-parallel", "2", "--microbatches", "4"]
     args += ["--virtual", str(virtual)] if virtual else []
     again = parse_train_args(args, overrides=_recovered_overrides(by_name["re-partition"]))
-    assert (again.stages, again.build_schedule().num_stages, again.layers_per_stage) == (1, 2, (4, 4))
+    assert (again.pipe, again.build_schedule().num_stages, again.layers_per_stage) == (1, 2, (4, 4))

@@ -177,7 +177,7 @@ def test_a_run_starts_from_hf_weights_and_exports_them_back(tmp_path, capsys):
     params = _perturbed(model, seed=3)
     start = str(tmp_path / "start")
     save_hf(model, params, start)
-    shape = dict(stages=2, microbatches=2, batch_size=4, seq_len=16, data="text", hardware="h100")
+    shape = dict(pipe=2, microbatches=2, batch_size=4, seq_len=16, data="text", hardware="h100")
 
     # The model, its vocabulary and its weights come from the directory.
     trainer = Trainer(TrainConfig(init_from=start, steps=2, **shape))
@@ -258,7 +258,7 @@ def test_extra_tensors_and_other_settings_are_refused(tmp_path):
     _edited(directory, activation_function="relu")
     with pytest.raises(JaxmemError, match="activation_function 'relu'"):
         load_hf(directory)
-    with pytest.raises(JaxmemError, match="drop --model"):
+    with pytest.raises(JaxmemError, match="drop model='llama-tiny'"):
         TrainConfig(init_from=directory, model="llama-tiny")
     with pytest.raises(JaxmemError, match="no config.json there"):
         TrainConfig(init_from=str(tmp_path))

@@ -139,7 +139,7 @@ def test_memory_cli_json(capsys, tmp_path):
     code = main(
         [
             "memory",
-            "--stages",
+            "--pipe",
             "2",
             "--microbatches",
             "2",
@@ -201,7 +201,7 @@ def test_memory_cli_predicted_only_for_a_big_model(capsys):
             "memory",
             "--model",
             "gpt2-xl",
-            "--stages",
+            "--pipe",
             "8",
             "--microbatches",
             "8",
@@ -222,7 +222,7 @@ def test_memory_cli_predicted_only_for_a_big_model(capsys):
 def test_memory_cli_for_a_traced_model_without_compiling(capsys):
     from jaxmem.cli import main
 
-    argv = ["memory", "--model", "llama-1b", "--dtype", "bfloat16", "--stages", "4", "--microbatches", "8"]
+    argv = ["memory", "--model", "llama-1b", "--dtype", "bfloat16", "--pipe", "4", "--microbatches", "8"]
     code = main([*argv, "--batch-size", "8", "--seq-len", "2048", "--policy", "selective", "--compile", "no", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["model"] == "llama-1b" and report["meta"]["facts"] == "traced"

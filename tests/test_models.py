@@ -208,7 +208,7 @@ def test_mixed_precision_keeps_float32_params_grads_and_optimizer_state():
     from jaxmem.train import Trainer
 
     trainer = Trainer(
-        TrainConfig(model="llama-tiny", dtype="bf16", stages=2, microbatches=2, batch_size=4, seq_len=16, steps=4)
+        TrainConfig(model="llama-tiny", dtype="bf16", pipe=2, microbatches=2, batch_size=4, seq_len=16, steps=4)
     )
     state = trainer.init_state()
     dtypes = {
@@ -405,7 +405,7 @@ def test_selective_on_a_model_without_a_quadratic_group_says_it_saves_everything
     config = TrainConfig(
         model=tiny_lm(),
         data="synthetic",
-        stages=2,
+        pipe=2,
         microbatches=2,
         batch_size=4,
         seq_len=8,
@@ -442,7 +442,7 @@ def test_fused_attention_keeps_no_probabilities_and_its_gradients_are_plain(mode
     assert kept["materialized"].stash_bytes() - kept["fused"].stash_bytes() == probs
     # The backward rebuilds the probabilities inside the fused op: its working set holds them still.
     assert kept["fused"].working_bytes >= probs / 2
-    trainer = Trainer(TrainConfig(model=model, attention="fused", stages=2, microbatches=4, policy=policy, steps=1))
+    trainer = Trainer(TrainConfig(model=model, attention="fused", pipe=2, microbatches=4, policy=policy, steps=1))
     predicted = predict(trainer.model, trainer.schedule, policy, batch=32, seq=64)
     report = compare(predicted, trainer.measure_memory())
     assert all(abs(r["prediction_error"]) <= 0.10 for r in report["ranks"]), report["ranks"]

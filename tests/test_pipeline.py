@@ -78,7 +78,7 @@ def test_stash_slots_come_from_the_schedule_peak_not_m():
 
 @pytest.fixture(scope="module")
 def small_trainer():
-    config = TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, steps=3)
+    config = TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16, steps=3)
     return Trainer(config)
 
 
@@ -119,7 +119,7 @@ def test_the_tick_loop_writes_residuals_in_place_and_copies_no_carried_buffer(vo
     the actions were one n-way switch: every branch copied every accumulator, and the stash was written
     by a scatter of a zero-padded window that walked the whole window's indices on every tick.)"""
     config = TrainConfig(
-        stages=2, microbatches=4, batch_size=8, seq_len=16, steps=1, policy="save-all", vocab_split=vocab_split
+        pipe=2, microbatches=4, batch_size=8, seq_len=16, steps=1, policy="save-all", vocab_split=vocab_split
     )
     trainer = Trainer(config)
     traffic = tick_traffic(trainer.compiled(trainer.init_state()))
@@ -162,7 +162,7 @@ def test_the_forward_only_program_gives_the_loss_and_stashes_nothing(model, name
     from jaxmem.schedule import Kind
 
     config = TrainConfig(
-        model=model, schedule=name, stages=p, virtual=v, microbatches=4, batch_size=16, seq_len=32, steps=1, **mesh
+        model=model, schedule=name, pipe=p, virtual=v, microbatches=4, batch_size=16, seq_len=32, steps=1, **mesh
     )
     trainer = Trainer(config)
     pipeline, spec = trainer.pipeline, trainer.batch_spec()
@@ -199,17 +199,17 @@ def test_forward_only_schedules_are_tables_of_forwards():
 # ---------------------------------------------------------------- errors before compiling
 def test_stages_that_do_not_divide_the_layers():
     with pytest.raises(JaxmemError, match=r"8 layers do not split evenly over 3 stages; .*1, 2, 4, 8"):
-        Trainer(TrainConfig(stages=3, microbatches=3, batch_size=6))
+        Trainer(TrainConfig(pipe=3, microbatches=3, batch_size=6))
     # The example split sums to the model's layers, and the Python caller is told its own argument.
-    with pytest.raises(JaxmemError, match=r"layer_counts=\(3,3,2\) in Python, --layers-per-stage 3,3,2 on the CLI"):
-        Trainer(TrainConfig(stages=3, microbatches=3, batch_size=6))
-    with pytest.raises(JaxmemError, match=r"build the schedule with 2 ranks \(--stages 2 on the CLI\)"):
+    with pytest.raises(JaxmemError, match=r"e.g. layer_counts=\(3, 3, 2\)"):
+        Trainer(TrainConfig(pipe=3, microbatches=3, batch_size=6))
+    with pytest.raises(JaxmemError, match=r"build the schedule with 2 ranks \(pipe=2\)"):
         Pipeline(get_model("tiny"), generate("1f1b", 4, 4), make_mesh(1, 2))
 
 
 def test_devices_that_do_not_factor():
     with pytest.raises(JaxmemError, match=r"data\(2\) x pipe\(8\) = 16 devices, but only 8"):
-        Trainer(TrainConfig(stages=8, data_parallel=2, microbatches=8, batch_size=16))
+        Trainer(TrainConfig(pipe=8, data_parallel=2, microbatches=8, batch_size=16))
 
 
 def test_batch_not_divisible_by_microbatches():
@@ -221,8 +221,8 @@ def test_schedule_stage_count_mismatch(tmp_path):
     from jaxmem.schedule import save_csv
 
     path = save_csv(generate("1f1b", 2, 8), tmp_path / "two.csv")
-    with pytest.raises(JaxmemError, match="has 2 ranks but --stages is 4; pass --stages 2"):
-        Trainer(TrainConfig(schedule=None, schedule_csv=str(path), stages=4))
+    with pytest.raises(JaxmemError, match="has 2 ranks but pipe=4; set pipe=2"):
+        Trainer(TrainConfig(schedule=None, schedule_csv=str(path), pipe=4))
 
 
 def test_unknown_model_preset():

@@ -178,7 +178,7 @@ def test_offload_stash_puts_exactly_the_stash_buffers_on_host():
 
 
 def test_offload_weights_keeps_stage_weights_on_host():
-    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, policy="offload-weights"))
+    trainer = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16, policy="offload-weights"))
     state = trainer.init_state()
     kinds = {leaf.sharding.memory_kind for tree in state.params.stages for leaf in jax.tree.leaves(tree)}
     assert kinds == {"pinned_host"}
@@ -198,7 +198,7 @@ def _gpu_placements(policy):
     its in-program placements and of its arguments, counted."""
     import re
 
-    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, policy=policy))
+    trainer = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16, policy=policy))
     state = trainer.init_state()
     traced = trainer.step_fn.trace(state.params, state.opt_state, trainer.batch_spec())
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -236,9 +236,9 @@ def test_offload_survives_lowering_where_a_gpu_would_run_it():
 
 
 def test_offload_optimizer_state_trains_with_moments_on_host():
-    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16, policy="offload-optimizer-state"))
+    trainer = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16, policy="offload-optimizer-state"))
     state = trainer.init_state()
-    reference = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16))
+    reference = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16))
     ref_state = reference.init_state()
     for _ in range(2):
         state, metrics, _ = trainer.step(state)
@@ -312,7 +312,7 @@ def test_layers_recomputed_apart_keep_only_their_inputs_and_the_ledger_holds():
         assert mixed.recompute_flops == pytest.approx(rest.recompute_flops + k * one.recompute_flops)
         assert mixed.recompute_flops > selective.recompute_flops
     config = TrainConfig(
-        model=model, stages=2, microbatches=4, batch_size=16, seq_len=64, steps=1,
+        model=model, pipe=2, microbatches=4, batch_size=16, seq_len=64, steps=1,
         policy={"base": "selective", "recompute_layers": 2},
     )  # fmt: skip
     report = ledger_report(config, "yes")

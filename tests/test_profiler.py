@@ -15,7 +15,7 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def trainer():
-    return Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=32))
+    return Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=32))
 
 
 def _batch(trainer, state, seq):
@@ -163,7 +163,7 @@ def test_adaptive_train_cli(capsys, tmp_path):
     from jaxmem.cli import main
 
     report = tmp_path / "profile.json"
-    argv = ["train", "--adaptive", "--budget", "64MiB", "--stages", "2", "--microbatches", "2", "--batch-size", "4",
+    argv = ["train", "--adaptive", "--budget", "64MiB", "--pipe", "2", "--microbatches", "2", "--batch-size", "4",
             "--seq-len-schedule", "16,32", "--profile-report", str(report), "--json", "--quiet",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
             "--sample-log", str(tmp_path / "samples.log")]  # fmt: skip
@@ -191,7 +191,7 @@ def test_the_profiler_keeps_and_prices_the_runs_sharded_layout():
     from jaxmem.memory import estimate
 
     config = TrainConfig(
-        model="llama-tiny", stages=2, fsdp=2, tensor=2, microbatches=2, batch_size=8, seq_len=32, zero=False
+        model="llama-tiny", pipe=2, fsdp=2, tensor=2, microbatches=2, batch_size=8, seq_len=32, zero=False
     )
     sharded = Trainer(config)
     profiler = _profiler(sharded, 64 * MiB)

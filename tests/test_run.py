@@ -16,7 +16,7 @@ import pytest
 
 from jaxmem import JaxmemError
 from jaxmem.data import Corpus, DataIterator, get_tokenizer, list_files, load_corpus
-from jaxmem.models import GPTConfig, generate
+from jaxmem.models import GPTConfig, sample
 from jaxmem.train import (
     TrainConfig,
     Trainer,
@@ -31,7 +31,7 @@ from jaxmem.train import (
 from jaxmem.train._trainer import _decay_mask
 
 MODEL = GPTConfig(n_layers=4, d_model=32, n_heads=2, max_seq_len=32)
-SHAPE = dict(model=MODEL, stages=2, microbatches=2, batch_size=4, seq_len=32)
+SHAPE = dict(model=MODEL, pipe=2, microbatches=2, batch_size=4, seq_len=32)
 RUN = dict(
     **SHAPE,
     tokenizer="bpe:300",
@@ -98,7 +98,7 @@ def test_jsonl_and_parquet_documents(tmp_path):
     np.testing.assert_array_equal(jsonl.tokens, parquet.tokens)
     text = "\n\n".join(r["body"] for r in rows)
     np.testing.assert_array_equal(jsonl.tokens, np.frombuffer(text.encode(), np.uint8))
-    with pytest.raises(JaxmemError, match="no field 'text'.*--data-field"):
+    with pytest.raises(JaxmemError, match="no field 'text'.*data_field"):
         load_corpus(str(tmp_path / "d.jsonl"))
     with pytest.raises(JaxmemError, match="no column 'text'"):
         load_corpus(str(tmp_path / "d.parquet"))
@@ -149,7 +149,7 @@ def test_hugging_face_datasets_from_the_hub_cache_and_local_directories(tmp_path
     assert out["hf:" + str(tmp_path / "saved")][1:] == [2, "saved a\n\nsaved b"]
     assert "must already be in the local cache" in out["hf:someone/missing|body"]
     assert "dev" in out["hf:someone/toy:dev|body"] and "train" in out["hf:someone/toy:dev|body"]
-    assert "no column 'text' (has: body); pass --data-field" in out["hf:someone/toy|text"]
+    assert "no column 'text' (has: body); name it with data_field" in out["hf:someone/toy|text"]
     assert "hf:NAME:CONFIG:SPLIT" in out["hf:a:b:c:d|body"]
 
 
@@ -206,17 +206,17 @@ def test_learning_rate_schedule_warms_up_and_decays():
         (dict(lr=float("nan")), "finite number > 0"),
         (dict(lr_schedule="linear"), "constant or cosine"),
         (dict(warmup_steps=300, lr_schedule="cosine"), "leaves no steps"),
-        (dict(grad_clip=0.0), "--grad-clip must be > 0"),
-        (dict(weight_decay=-1.0), "--weight-decay must be >= 0"),
-        (dict(eval_every=5), "--eval-every needs held-out data"),
+        (dict(grad_clip=0.0), "grad_clip must be > 0"),
+        (dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+        (dict(eval_every=5), "eval_every needs held-out data"),
         (dict(eval_fraction=1.0), "fraction in \\[0, 1\\)"),
-        (dict(log_every=0), "--log-every must be an integer >= 1"),
-        (dict(checkpoint_every=0), "--checkpoint-every must be an integer >= 1"),
+        (dict(log_every=0), "log_every must be an integer >= 1"),
+        (dict(checkpoint_every=0), "checkpoint_every must be an integer >= 1"),
         (dict(data="synthetic", tokenizer="bpe:300"), "synthetic data draws token ids"),
-        (dict(devices=0), "--devices must be an integer >= 1"),
-        (dict(seq_len_schedule=(16, 32)), "add --adaptive"),
-        (dict(adaptive=True, budget=2**24, run_dir="x"), "write no --run-dir metrics"),
-        (dict(budget=2**24), "--budget is used by"),
+        (dict(devices=0), "devices must be an integer >= 1"),
+        (dict(seq_len_schedule=(16, 32)), "set adaptive and budget"),
+        (dict(adaptive=True, budget=2**24, run_dir="x"), "write no run_dir metrics"),
+        (dict(budget=2**24), "budget is used by"),
     ],
 )
 def test_bad_run_settings(kwargs, message):
@@ -314,10 +314,10 @@ def test_export_loads_back_identical_parameters_and_samples(straight, tmp_path):
         rtol=1e-6,
     )
     # Sampling: greedy continuation is the argmax of the logits; sampling is seeded.
-    greedy = generate(exported.model, exported.params, list(tokens[0]), max_new_tokens=1, temperature=0)
+    greedy = sample(exported.model, exported.params, list(tokens[0]), max_new_tokens=1, temperature=0)
     assert greedy == [int(np.argmax(np.asarray(module(tokens))[0, -1]))]
-    text = exported.generate("The for", max_new_tokens=8, seed=3)
-    assert text == load_model(config.checkpoint_dir).generate("The for", max_new_tokens=8, seed=3)
+    text = exported.sample("The for", max_new_tokens=8, seed=3)
+    assert text == load_model(config.checkpoint_dir).sample("The for", max_new_tokens=8, seed=3)
     with pytest.raises(JaxmemError, match="already holds an export"):
         export_checkpoint(config.checkpoint_dir, out)
     # The export names the saved state, not the exporting machine's paths ...
@@ -380,7 +380,7 @@ def test_sigterm_saves_the_current_step_and_the_run_resumes_with_no_lost_step(tm
     import time
 
     ckpt, samples = tmp_path / "ckpt", tmp_path / "samples.log"
-    argv = [sys.executable, "-m", "jaxmem", "train", "--stages", "2", "--microbatches", "2", "--batch-size", "4"]
+    argv = [sys.executable, "-m", "jaxmem", "train", "--pipe", "2", "--microbatches", "2", "--batch-size", "4"]
     argv += ["--seq-len", "16", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000"]
     argv += ["--sample-log", str(samples), "--quiet"]
     proc = subprocess.Popen([*argv, "--steps", "500"], stderr=subprocess.PIPE, text=True)
@@ -411,7 +411,7 @@ def test_a_failed_background_save_stops_the_run_at_once_and_the_last_step_restor
     import sys
 
     ckpt, samples = tmp_path / "ckpt", tmp_path / "samples.log"
-    argv = [sys.executable, "-m", "jaxmem", "train", "--stages", "2", "--microbatches", "2", "--batch-size", "4"]
+    argv = [sys.executable, "-m", "jaxmem", "train", "--pipe", "2", "--microbatches", "2", "--batch-size", "4"]
     argv += ["--seq-len", "16", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--quiet"]
     argv += ["--sample-log", str(samples)]
     first = subprocess.run([*argv, "--steps", "5"], capture_output=True, text=True, timeout=240)
@@ -464,7 +464,7 @@ def test_a_diverged_loss_is_not_checkpointed_and_saves_resume_when_it_comes_back
     leaves the last good step to resume from."""
     from jaxmem.train import CheckpointHook, StepInfo
 
-    trainer = Trainer(TrainConfig(stages=2, microbatches=2, batch_size=4, seq_len=16))
+    trainer = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16))
     state = trainer.init_state()
     lines = []
     hook = CheckpointHook(str(tmp_path / "ckpt"), every=5, keep=10, log=lines.append)

@@ -279,7 +279,7 @@ def test_sizes_below_one(p, m):
 
 
 def test_virtual_on_a_fixed_schedule():
-    with pytest.raises(ScheduleError, match="does not take --virtual"):
+    with pytest.raises(ScheduleError, match="does not take virtual"):
         generate("1f1b", 4, 8, virtual=3)
 
 

@@ -57,7 +57,7 @@ def _device_bytes(tree) -> int:
 @pytest.fixture(scope="module")
 def trainers():
     """The same tiny run on 8 devices, replicated (no ZeRO, data 4) and sharded (data 2 x fsdp 2)."""
-    base = dict(model="llama-tiny", stages=2, microbatches=4, batch_size=16, seq_len=32, steps=3, data="synthetic")
+    base = dict(model="llama-tiny", pipe=2, microbatches=4, batch_size=16, seq_len=32, steps=3, data="synthetic")
     plain = Trainer(TrainConfig(**base, data_parallel=4, zero=False))
     sharded = Trainer(TrainConfig(**base, data_parallel=2, fsdp=2))
     return plain, sharded
@@ -138,7 +138,7 @@ def test_checkpoints_are_written_from_shards_and_restore_onto_other_meshes(train
     base = dict(sharded.config.__dict__)
     plans = [
         dict(data_parallel=1, fsdp=2, devices=4),  # the same layout, half the replicas
-        dict(stages=4, data_parallel=2, fsdp=1, microbatches=4),  # another stage split and vocabulary cut
+        dict(pipe=4, data_parallel=2, fsdp=1, microbatches=4),  # another stage split and vocabulary cut
     ]
     for plan in plans:
         trainer = Trainer(TrainConfig(**{**base, **plan}))
@@ -167,7 +167,7 @@ def _moments(trainer, opt_state) -> list:
 @pytest.fixture(scope="module")
 def bf16_trainers():
     """llama-tiny in bfloat16 on P=2 x D=4: ZeRO (master weights cut, the default) and no ZeRO."""
-    base = dict(model="llama-tiny", dtype="bfloat16", stages=2, data_parallel=4, microbatches=2, batch_size=16)
+    base = dict(model="llama-tiny", dtype="bfloat16", pipe=2, data_parallel=4, microbatches=2, batch_size=16)
     base.update(seq_len=32, steps=3, data="synthetic")
     fsdp = {**base, "data_parallel": 1, "fsdp": 4}
     return Trainer(TrainConfig(**base)), Trainer(TrainConfig(**base, zero=False)), Trainer(TrainConfig(**fsdp))
@@ -265,7 +265,7 @@ def test_fsdp_keeping_gathered_weights_is_a_policy_the_ledger_prices():
 
     result = verify(generate("zbv", 2, 4), model="llama-tiny", fsdp=2, policy="selective+keep-gathered")
     assert result["ok"] and result["max_rel_diff"] < 1e-5, result
-    base = dict(model="llama-tiny", stages=2, fsdp=4, microbatches=4, batch_size=16, seq_len=32, data="synthetic")
+    base = dict(model="llama-tiny", pipe=2, fsdp=4, microbatches=4, batch_size=16, seq_len=32, data="synthetic")
     trainers = [Trainer(TrainConfig(**base, policy=p)) for p in ("save-all", "save-all+keep-gathered")]
     assert trainers[1].pipeline.kept_gathered == (True,)
     losses, compiled = [], []

@@ -125,7 +125,7 @@ def test_bad_annotations_and_meshes_are_refused_clearly():
 
 @pytest.fixture(scope="module")
 def tensor_trainers():
-    base = dict(model="llama-tiny", stages=2, microbatches=4, batch_size=16, seq_len=32, steps=2, data="synthetic")
+    base = dict(model="llama-tiny", pipe=2, microbatches=4, batch_size=16, seq_len=32, steps=2, data="synthetic")
     return Trainer(TrainConfig(**base, data_parallel=2)), Trainer(TrainConfig(**base, data_parallel=2, tensor=2))
 
 
@@ -183,7 +183,7 @@ def test_the_ledger_compiles_the_backward_on_the_tensor_mesh():
     modelled; with the pullback compiled on a tensor mesh of local devices it holds."""
     config = TrainConfig(
         model="tiny",
-        stages=2,
+        pipe=2,
         microbatches=8,
         batch_size=16,
         seq_len=64,
@@ -209,7 +209,7 @@ def test_the_ledger_compiles_the_backward_on_the_tensor_mesh():
     modelled = facts.stage(**args, microbatch=1).working_bytes * (1 - facts.tensor_cut(policy, 64, 4).full * 3 / 4)
     assert on_mesh != pytest.approx(modelled, rel=0.01)
     # XLA:CPU emulates 16-bit floats, so a bf16 model's tensor working set is modelled on CPU.
-    bf16 = TrainConfig(model="tiny", dtype="bfloat16", stages=2, tensor=4).build_model()
+    bf16 = TrainConfig(model="tiny", dtype="bfloat16", pipe=2, tensor=4).build_model()
     bf16_policy = PRESETS["recompute-all"].bind(bf16.tags)
     assert model_facts(bf16).tensor_working(**{**args, "policy": bf16_policy}, microbatch=1, tensor=4) is None
 
@@ -287,7 +287,7 @@ def test_plan_takes_a_mesh_and_prints_the_train_command(capsys):
     import shlex
 
     from jaxmem.cli import main
-    from jaxmem.config import parse_train_args
+    from jaxmem.cli._train_args import parse_train_args
 
     argv = ["plan", "--model", "llama-tiny", "--mesh", "pipe=2,tensor=2", "--budget", "1GiB", "--json"]
     assert main(argv) == 0
@@ -295,4 +295,4 @@ def test_plan_takes_a_mesh_and_prints_the_train_command(capsys):
     assert record["devices"] == 4 and (record["best"]["pipe"], record["best"]["tensor"]) == (2, 2)
     words = shlex.split(record["train_command"])
     config = parse_train_args(words[2:])
-    assert (config.stages, config.tensor, config.schedule) == (2, 2, record["best"]["schedule"])
+    assert (config.pipe, config.tensor, config.schedule) == (2, 2, record["best"]["schedule"])

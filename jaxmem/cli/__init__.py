@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, settings_phrased_by
+from jaxmem.cli._flags import flag
 
 __all__ = ["main"]
 
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: jaxmem {args.command} needs an action; see jaxmem {args.command} --help", file=sys.stderr)
         return 2
     try:
-        return int(args.run(args) or 0)
+        with settings_phrased_by(flag):  # the library's errors name its settings by their flags
+            return int(args.run(args) or 0)
     except JaxmemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -88,7 +88,7 @@ def model_overrides(args) -> dict:
 
 def add_mesh_arguments(p) -> None:
     """``--data-parallel``, ``--fsdp``, ``--tensor``, ``--mesh``, ``--no-zero`` and ``--no-vocab-split`` (with
-    ``--stages``, which the command adds itself): the mesh of a command that builds one step, as
+    ``--pipe``, which the command adds itself): the mesh of a command that builds one step, as
     ``jaxmem train`` takes it."""
     p.add_argument(
         "--data-parallel", type=positive_int, help="data-parallel replicas holding whole parameters (default 1)"
@@ -105,7 +105,7 @@ def add_mesh_arguments(p) -> None:
     p.add_argument(
         "--mesh",
         metavar="AXES",
-        help="e.g. data=2,fsdp=2,pipe=2,tensor=2 (sets --data-parallel, --fsdp, --stages, --tensor)",
+        help="e.g. data=2,fsdp=2,pipe=2,tensor=2 (sets --data-parallel, --fsdp, --pipe, --tensor)",
     )
     p.add_argument(
         "--no-zero",
@@ -121,9 +121,9 @@ def add_mesh_arguments(p) -> None:
     )
 
 
-def resolve_mesh(args, stages: int = 4) -> None:
-    """Fold ``--mesh`` into ``args.data_parallel``, ``args.fsdp``, ``args.stages`` and ``args.tensor`` (refusing a flag
-    that says the same twice) and fill the defaults (``stages`` pipeline ranks)."""
+def resolve_mesh(args, pipe: int = 4) -> None:
+    """Fold ``--mesh`` into ``args.data_parallel``, ``args.fsdp``, ``args.pipe`` and ``args.tensor`` (refusing a flag
+    that says the same twice) and fill the defaults (``pipe`` ranks)."""
     from jaxmem.config import MESH_FIELDS, parse_mesh
 
     if getattr(args, "mesh", None):
@@ -136,7 +136,7 @@ def resolve_mesh(args, stages: int = 4) -> None:
     args.data_parallel = args.data_parallel or 1
     args.fsdp = args.fsdp or 1
     args.tensor = args.tensor or 1
-    args.stages = args.stages or stages
+    args.pipe = args.pipe or pipe
 
 
 def setup_devices(count: int | None) -> None:

@@ -8,9 +8,9 @@ from jaxmem.cli._common import non_negative_float, non_negative_int, positive_fl
 
 _EPILOG = """\
 examples:
-  jaxmem elastic recovery --devices 8 --failed 3 -- --stages 4 --data-parallel 2 --microbatches 4 --batch-size 16
-  jaxmem elastic recovery --devices 4 --failed 1 --json -- --stages 4 --microbatches 4 --batch-size 8 --steps 100
-  jaxmem elastic recovery --devices 8 --failed 0 -- --model llama-1b --stages 8 --microbatches 8 --batch-size 16
+  jaxmem elastic recovery --devices 8 --failed 3 -- --pipe 4 --data-parallel 2 --microbatches 4 --batch-size 16
+  jaxmem elastic recovery --devices 4 --failed 1 --json -- --pipe 4 --microbatches 4 --batch-size 8 --steps 100
+  jaxmem elastic recovery --devices 8 --failed 0 -- --model llama-1b --pipe 8 --microbatches 8 --batch-size 16
   jaxmem elastic recovery --devices 16 --devices-per-proc 8 --failed 9 --spares 1 --budget 40GiB -- \
       --model llama-8b --dtype bfloat16 --mesh data=2,pipe=4,tensor=2 --microbatches 16 --batch-size 32 \
       --seq-len 4096 --policy selective --steps 1000
@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from jaxmem._errors import JaxmemError
     from jaxmem._util import parse_bytes
-    from jaxmem.config import parse_train_args
+    from jaxmem.cli._train_args import parse_train_args
     from jaxmem.elastic import choose_recovery
     from jaxmem.memory import cpu_cores
 
@@ -71,7 +71,7 @@ def run(args) -> int:
     if config.num_devices != args.devices:
         raise JaxmemError(
             f"--devices {args.devices} does not match the job's data({config.data_parallel}) x fsdp({config.fsdp}) x "
-            f"pipe({config.stages}) x tensor({config.tensor}) = {config.num_devices}"
+            f"pipe({config.pipe}) x tensor({config.tensor}) = {config.num_devices}"
         )
     if args.devices % args.devices_per_proc:
         raise JaxmemError(f"--devices {args.devices} is not a multiple of --devices-per-proc {args.devices_per_proc}")

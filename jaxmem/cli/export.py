@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
 
     s = sub.add_parser(
         "sample",
-        help="generate text from a checkpoint or an export",
+        help="sample text from a checkpoint or an export",
         description="Sample a continuation of a prompt from a trained model.",
         epilog=_SAMPLE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -76,7 +76,7 @@ def add_parser(sub) -> None:
     s.add_argument("path", help="an export directory or a checkpoint directory")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     s.add_argument(
-        "--tokens", type=positive_int, default=100, help="new tokens to generate (default 100, at most 100000)"
+        "--tokens", type=positive_int, default=100, help="new tokens to sample (default 100, at most 100000)"
     )
     s.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default 0.8)")
     s.add_argument("--top-k", type=positive_int, help="sample among the K most likely tokens")
@@ -126,7 +126,7 @@ def run_sample(args) -> int:
     from jaxmem.train import load_model
 
     loaded = load_model(args.path, step=args.step)
-    text = loaded.generate(
+    text = loaded.sample(
         args.prompt, max_new_tokens=args.tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
     )
     print(args.prompt + text)

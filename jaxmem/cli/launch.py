@@ -8,9 +8,9 @@ from jaxmem.cli._common import check_output_dir, non_negative_int, positive_floa
 
 _EPILOG = """\
 examples:
-  jaxmem launch --nprocs 4 -- --stages 4 --microbatches 4 --batch-size 8 --steps 40 --checkpoint-every 5
-  jaxmem launch --nprocs 4 --inject-failure rank=2,step=12 -- --stages 4 --steps 40 --checkpoint-every 5
-  jaxmem launch --nprocs 2 --devices-per-proc 2 --spares 1 -- --stages 2 --data-parallel 2 --steps 30
+  jaxmem launch --nprocs 4 -- --pipe 4 --microbatches 4 --batch-size 8 --steps 40 --checkpoint-every 5
+  jaxmem launch --nprocs 4 --inject-failure rank=2,step=12 -- --pipe 4 --steps 40 --checkpoint-every 5
+  jaxmem launch --nprocs 2 --devices-per-proc 2 --spares 1 -- --pipe 2 --data-parallel 2 --steps 30
 
 Everything after `--` goes to `jaxmem train` as given; the launcher's own settings (a checkpoint
 directory and a sample log under --run-dir unless given; after a recovery, its mesh and layer split)
@@ -64,21 +64,26 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from jaxmem.elastic import LaunchInterrupted, launch, parse_failure
+    from jaxmem.cli._train_args import parse_train_args
+    from jaxmem.elastic import LaunchInterrupted, default_run_dir, launch, parse_failure, run_defaults
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    run_dir = args.run_dir or default_run_dir()
+    # As the workers will take them: the run's folders below their arguments. Checked before any file is made.
+    config = parse_train_args(train_args, defaults=run_defaults(run_dir))
     failures = [parse_failure(f) for f in args.inject_failure]
     if args.run_dir:
         check_output_dir(args.run_dir, "--run-dir")
     try:
         result = launch(
             train_args,
+            config=config,
             nprocs=args.nprocs,
             devices_per_proc=args.devices_per_proc,
             heartbeat_seconds=args.heartbeat_seconds,
             failures=failures,
             spares=args.spares,
-            run_dir=args.run_dir,
+            run_dir=run_dir,
             max_restarts=args.max_restarts,
             strategy=args.strategy,
             log=lambda line: print(line, file=sys.stderr),

@@ -22,7 +22,7 @@ examples:
   jaxmem memory --policy recompute-all --json
   jaxmem memory --schedule interleaved-1f1b --virtual 2 --policy selective -o ledger.png
   jaxmem memory --model llama-tiny --dtype bfloat16 --policy selective
-  jaxmem memory --model gpt2-xl --stages 8 --microbatches 16 --batch-size 16 --seq-len 1024 --compile no
+  jaxmem memory --model gpt2-xl --pipe 8 --microbatches 16 --batch-size 16 --seq-len 1024 --compile no
 
 Policies: save-all, recompute-all, selective, offload-stash, offload-weights, offload-optimizer-state,
 offload-tags, or a TOML file (see README). "predicted" comes from the model's facts -- its traced
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     add_attention_argument(p)
     p.add_argument("--schedule", default="1f1b", help="schedule name (default 1f1b)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
-    p.add_argument("--stages", type=positive_int, help="pipeline ranks P (default 4)")
+    p.add_argument("--pipe", "--stages", dest="pipe", type=positive_int, help="pipe ranks P (default 4)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
     p.add_argument(
@@ -101,7 +101,7 @@ def _config(args, budget=None):
         attention=args.attention,
         schedule=None if args.csv else args.schedule,
         schedule_csv=args.csv,
-        stages=args.stages,
+        pipe=args.pipe,
         microbatches=args.microbatches,
         virtual=args.virtual,
         batch_size=args.batch_size,
@@ -341,7 +341,7 @@ def run(args) -> int:
         raise JaxmemError(f"cannot draw to {args.output!r}: use a .png, .svg or .pdf file name")
     if args.output:
         check_output_file(args.output, "-o")
-    budget = parse_bytes(args.budget, "--budget") if args.budget else None
+    budget = parse_bytes(args.budget) if args.budget else None
     resolve_mesh(args)
     config = _config(args, budget)
     setup_devices(config.num_devices)

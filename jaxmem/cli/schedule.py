@@ -13,21 +13,23 @@ from jaxmem.cli._common import check_output_file, non_negative_float, positive_i
 _EPILOG = """\
 examples:
   jaxmem schedule list
-  jaxmem schedule show 1f1b --stages 4 --microbatches 8
-  jaxmem schedule simulate zb-h1 --stages 4 --microbatches 8 --json
+  jaxmem schedule show 1f1b --pipe 4 --microbatches 8
+  jaxmem schedule simulate zb-h1 --pipe 4 --microbatches 8 --json
   jaxmem schedule simulate --csv my_schedule.csv --cost-comm 0.1
   jaxmem schedule check my_schedule.csv
-  jaxmem schedule draw interleaved-1f1b --stages 4 --microbatches 8 --virtual 2 -o il.png
-  jaxmem schedule export zbv --stages 4 --microbatches 8 -o zbv.csv
+  jaxmem schedule draw interleaved-1f1b --pipe 4 --microbatches 8 --virtual 2 -o il.png
+  jaxmem schedule export zbv --pipe 4 --microbatches 8 -o zbv.csv
 
---stages P is the pipeline size (ranks); a rank holds V stages with --virtual V (interleaved) or
+--pipe P is the pipeline size (ranks); a rank holds V stages with --virtual V (interleaved) or
 2 (zbv), so the table has P*V stages. Costs are for a stage holding a rank's share of the model;
 with V stages per rank each costs 1/V of that (equal-model comparison)."""
 
 
 def _add_source(p: argparse.ArgumentParser, csv_ok: bool = True) -> None:
     p.add_argument("name", nargs="?", help="schedule name (see `jaxmem schedule list`)")
-    p.add_argument("--stages", "-p", type=positive_int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument(
+        "--pipe", "--stages", "-p", dest="pipe", type=positive_int, default=4, help="pipe ranks P (default 4)"
+    )
     p.add_argument("--microbatches", "-m", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", "-v", type=positive_int, default=None, help="stages per rank V (interleaved-1f1b)")
     if csv_ok:
@@ -105,13 +107,13 @@ def _schedule_from_args(args) -> sch.Schedule:
     if not args.name:
         names = ", ".join(g.name for g in sch.list_generators())
         raise sch.ScheduleError(f"name a schedule ({names}) or pass --csv FILE")
-    actions = 3 * args.stages * (args.virtual or 2) * args.microbatches
+    actions = 3 * args.pipe * (args.virtual or 2) * args.microbatches
     if actions > MAX_ACTIONS:
         raise sch.ScheduleError(
-            f"--stages {args.stages} x --microbatches {args.microbatches} makes about {actions:,} actions, more "
+            f"--pipe {args.pipe} x --microbatches {args.microbatches} makes about {actions:,} actions, more "
             f"than this command lays out ({MAX_ACTIONS:,}); use fewer stages or microbatches"
         )
-    return sch.generate(args.name, args.stages, args.microbatches, args.virtual)
+    return sch.generate(args.name, args.pipe, args.microbatches, args.virtual)
 
 
 def _costs_from_args(args) -> sch.Costs:
@@ -128,7 +130,7 @@ def _costs_from_args(args) -> sch.Costs:
         comm=args.cost_comm,
         activation_bytes=None
         if args.activation_bytes is None
-        else parse_bytes(args.activation_bytes, "--activation-bytes"),
+        else parse_bytes(args.activation_bytes, "activation_bytes"),
     )
 
 

@@ -12,9 +12,9 @@ With no arguments: the tiny GPT on the embedded corpus (CPython's pydoc topics, 
 
 examples:
   jaxmem train
-  jaxmem train --schedule zbv --stages 4 --microbatches 8 --steps 100
+  jaxmem train --schedule zbv --pipe 4 --microbatches 8 --steps 100
   jaxmem train --schedule interleaved-1f1b --virtual 2 --data-parallel 2 --json
-  jaxmem train --csv my_schedule.csv --stages 4 --microbatches 8
+  jaxmem train --csv my_schedule.csv --pipe 4 --microbatches 8
   jaxmem train --policy recompute-all
   jaxmem train --model llama-tiny --dtype bfloat16          # bf16 compute, float32 master weights
   jaxmem train --config run.toml --steps 50      # flags override the file
@@ -22,7 +22,7 @@ examples:
       --lr-schedule cosine --warmup-steps 100 --weight-decay 0.1 --grad-clip 1.0 \\
       --run-dir runs/a --checkpoint-dir runs/a/ckpt    # then: jaxmem export runs/a/ckpt -o out
 
-A TOML config holds the same keys as the flags (schedule = "zb-h1", stages = 4, ...). On a GPU/TPU
+A TOML config holds the same keys as the flags (schedule = "zb-h1", pipe = 4, ...). On a GPU/TPU
 machine the same command uses the real devices; under `jaxmem launch` it joins the distributed job."""
 
 
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from jaxmem.config import add_arguments
+    from jaxmem.cli._train_args import add_arguments
 
     add_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end (progress goes to stderr)")
@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from jaxmem._util import die_with_launcher, launch_settings
-    from jaxmem.config import from_args
+    from jaxmem.cli._train_args import from_args
 
     die_with_launcher()  # a launched worker: stop with its launcher, however that dies
     config = from_args(args, **launch_settings())  # a launched worker: the run's folders and layout

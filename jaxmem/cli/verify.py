@@ -16,7 +16,7 @@ from jaxmem.cli._common import (
 
 _EPILOG = """\
 Run this before trusting a custom schedule, policy or model:
-  jaxmem verify --schedule zbv --stages 4 --microbatches 8
+  jaxmem verify --schedule zbv --pipe 4 --microbatches 8
   jaxmem verify --csv my_schedule.csv --json
   jaxmem verify --schedule 1f1b --policy recompute-all
   jaxmem verify --model llama-tiny --schedule interleaved-1f1b --virtual 2
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     add_attention_argument(p)
     p.add_argument("--schedule", help="schedule name (see `jaxmem schedule list`)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
-    p.add_argument("--stages", type=positive_int, help="pipeline ranks P (default 4)")
+    p.add_argument("--pipe", "--stages", dest="pipe", type=positive_int, help="pipe ranks P (default 4)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
     add_mesh_arguments(p)
@@ -70,8 +70,8 @@ def run(args) -> int:
     if args.csv:
         schedule = sch.validate(sch.load_csv(args.csv))
     else:
-        schedule = sch.generate(args.schedule or "1f1b", args.stages, args.microbatches, args.virtual)
-    drop = frozenset(parse_int_list(args.drop_layers, "--drop-layers")) if args.drop_layers else frozenset()
+        schedule = sch.generate(args.schedule or "1f1b", args.pipe, args.microbatches, args.virtual)
+    drop = frozenset(parse_int_list(args.drop_layers, "drop_layers")) if args.drop_layers else frozenset()
     setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks * args.tensor)
     from jaxmem.verify import verification_model, verify
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem.data._tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
 __all__ = [
@@ -76,7 +76,7 @@ class Corpus:
         if not eval_fraction:
             return self, None
         if not 0.0 < eval_fraction < 1.0:
-            raise JaxmemError(f"--eval-fraction is in [0, 1), got {eval_fraction}")
+            raise JaxmemError(f"{setting('eval_fraction')} is in [0, 1), got {eval_fraction}")
         cut = int(len(self.tokens) * (1.0 - eval_fraction))
         part = functools.partial(Corpus, tokenizer=self.tokenizer, documents=self.documents)
         return (
@@ -113,20 +113,21 @@ def list_files(spec: str) -> list[str]:
             ]
             if not found:
                 raise JaxmemError(
-                    f"--data {part}: the directory holds no .txt, .md, .jsonl or .parquet files; name the files "
+                    f"{setting('data', part)}: the directory holds no .txt, .md, .jsonl or .parquet files; name "
+                    "the files "
                     "(a glob such as 'data/*.log' reads any file as text)"
                 )
         elif any(c in part for c in "*?["):
             found = [p for p in glob.glob(part, recursive=True) if os.path.isfile(p)]
             if not found:
-                raise JaxmemError(f"--data {part}: no file matches")
+                raise JaxmemError(f"{setting('data', part)}: no file matches")
         elif os.path.isfile(part):
             found = [part]
         else:
-            raise JaxmemError(f"--data {part}: no such file or directory")
+            raise JaxmemError(f"{setting('data', part)}: no such file or directory")
         files.extend(found)
     if not files:
-        raise JaxmemError("--data names no files")
+        raise JaxmemError(f"{setting('data', spec)} names no files")
     return sorted(set(files))
 
 
@@ -145,7 +146,9 @@ def read_documents(path: str, field: str = "text") -> Iterator[str]:
                     raise JaxmemError(f"{path}:{number}: not a JSON line ({e.msg})") from None
                 if not isinstance(record, dict) or field not in record:
                     keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                    raise JaxmemError(f"{path}:{number}: no field {field!r} (has: {keys}); pass --data-field NAME")
+                    raise JaxmemError(
+                        f"{path}:{number}: no field {field!r} (has: {keys}); name it with {setting('data_field')}"
+                    )
                 yield str(record[field])
     elif lower.endswith(_PARQUET_SUFFIXES):
         try:
@@ -158,7 +161,8 @@ def read_documents(path: str, field: str = "text") -> Iterator[str]:
             raise JaxmemError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
         if field not in table.column_names:
             raise JaxmemError(
-                f"{path}: no column {field!r} (has: {', '.join(table.column_names)}); pass --data-field NAME"
+                f"{path}: no column {field!r} (has: {', '.join(table.column_names)}); name it with "
+                f"{setting('data_field')}"
             )
         for value in table.column(field).to_pylist():
             if value is not None:
@@ -182,7 +186,7 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     parts = spec[len(HF_PREFIX) :].split(":")
     if not parts[0] or len(parts) > 3 or not all(parts):
         raise JaxmemError(
-            f"--data {spec}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (e.g. "
+            f"{setting('data', spec)}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (e.g. "
             "hf:wikitext:wikitext-2-raw-v1:train)"
         )
     if len(parts) == 1:
@@ -204,7 +208,7 @@ def hf_documents(spec: str, field: str = "text") -> tuple[list[str], str]:
         import datasets
     except ImportError:
         raise JaxmemError(
-            f"--data {spec}: Hugging Face datasets need the datasets package: pip install 'jaxmem[hf]'"
+            f"{setting('data', spec)}: Hugging Face datasets need the datasets package: pip install 'jaxmem[hf]'"
         ) from None
     datasets.disable_progress_bars()
     path = os.path.expanduser(name)
@@ -214,7 +218,7 @@ def hf_documents(spec: str, field: str = "text") -> tuple[list[str], str]:
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
             saved = datasets.load_from_disk(path)
             if split not in saved:
-                raise JaxmemError(f"--data {spec}: no split {split!r} (has: {', '.join(saved)})")
+                raise JaxmemError(f"{setting('data', spec)}: no split {split!r} (has: {', '.join(saved)})")
             data = saved[split]
         else:
             data = datasets.load_dataset(_hub_snapshot(name) or path, config, split=split)
@@ -223,17 +227,19 @@ def hf_documents(spec: str, field: str = "text") -> tuple[list[str], str]:
     except (FileNotFoundError, ConnectionError, ValueError) as e:
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         if "split" in first.lower():
-            raise JaxmemError(f"--data {spec}: {first}") from None
+            raise JaxmemError(f"{setting('data', spec)}: {first}") from None
         where = os.environ.get("HF_HOME", os.path.join("~", ".cache", "huggingface"))
         args = ", ".join([repr(name)] + ([repr(config)] if config else []) + [f"split={split!r}"])
         raise JaxmemError(
-            f"--data {spec}: cannot load it offline ({type(e).__name__}: {first}). A hub dataset must already be "
+            f"{setting('data', spec)}: cannot load it offline ({type(e).__name__}: {first}). A hub dataset must "
+            "already be "
             f"in the local cache ({where}): fetch it once where there is network, e.g. "
             f'python -c "import datasets; datasets.load_dataset({args})"'
         ) from None
     if field not in data.column_names:
         raise JaxmemError(
-            f"--data {spec}: no column {field!r} (has: {', '.join(data.column_names)}); pass --data-field NAME"
+            f"{setting('data', spec)}: no column {field!r} (has: {', '.join(data.column_names)}); name it with "
+            f"{setting('data_field')}"
         )
     texts = [str(v) for v in data[field] if v]
     return texts, f"{name} ({config + ', ' if config else ''}{split})"
@@ -271,18 +277,18 @@ def load_corpus(spec: str, *, tokenizer: str | Tokenizer | None = "byte", field:
     if spec.startswith(HF_PREFIX):
         texts, name = hf_documents(spec, field)
         if not texts:
-            raise JaxmemError(f"--data {spec}: column {field!r} holds no text")
+            raise JaxmemError(f"{setting('data', spec)}: column {field!r} holds no text")
         return _pack(texts, get_tokenizer(tokenizer, texts, saved=saved), name)
     files = list_files(spec)
     if field != "text" and not any(f.lower().endswith(_JSON_SUFFIXES + _PARQUET_SUFFIXES) for f in files):
         raise JaxmemError(
-            f"--data-field {field!r} names a JSONL field or Parquet column, but --data {spec} is plain text "
-            "files (each file is one document). Drop --data-field"
+            f"{setting('data_field', field)} names a JSONL field or Parquet column, but {setting('data', spec)} is "
+            f"plain text files (each file is one document). Drop {setting('data_field')}"
         )
     texts = [doc for path in files for doc in read_documents(path, field)]
     texts = [t for t in texts if t]
     if not texts:
-        raise JaxmemError(f"--data {spec}: the files hold no text")
+        raise JaxmemError(f"{setting('data', spec)}: the files hold no text")
     name = files[0] if len(files) == 1 else f"{len(files)} files under {os.path.commonpath(files) or '.'}"
     return _pack(texts, get_tokenizer(tokenizer, texts, saved=saved), name)
 

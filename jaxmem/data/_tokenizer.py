@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "get_tokenizer"]
 
@@ -152,7 +152,7 @@ class BPETokenizer(Tokenizer):
             # under that name, and its model would be sized for ids that never occur.
             raise JaxmemError(
                 f"the data has only enough text for {learned} BPE ids, not the {vocab_size} of bpe:{vocab_size}; "
-                f"use --tokenizer bpe:{learned} (or fewer), or more --data"
+                f"use {setting('tokenizer', f'bpe:{learned}')} (or fewer), or more {setting('data')}"
             )
         return cls(tok, f"bpe:{vocab_size}")
 
@@ -210,17 +210,22 @@ def get_tokenizer(spec: str | Tokenizer | None, texts: Iterable[str] | None = No
         try:
             size = int(spec[4:])
         except ValueError:
-            raise JaxmemError(f"--tokenizer bpe:N takes a vocabulary size, e.g. bpe:4096; got {spec!r}") from None
+            raise JaxmemError(
+                f"{setting('tokenizer')} bpe:N takes a vocabulary size, e.g. bpe:4096; got {spec!r}"
+            ) from None
         if saved and os.path.exists(os.path.join(saved, BPETokenizer.FILE)):
             tok = BPETokenizer.load(os.path.join(saved, BPETokenizer.FILE), name=spec)
             if tok.vocab_size != size:
                 raise JaxmemError(
-                    f"{saved} holds a tokenizer of {tok.vocab_size} ids, not {size}; use --tokenizer "
-                    f"bpe:{tok.vocab_size} to resume, or a new --checkpoint-dir"
+                    f"{saved} holds a tokenizer of {tok.vocab_size} ids, not {size}; use "
+                    f"{setting('tokenizer', f'bpe:{tok.vocab_size}')} to resume, or a new {setting('checkpoint_dir')}"
                 )
             return tok
         if texts is None:
-            raise JaxmemError(f"--tokenizer {spec} is trained on --data; give --data PATH (text files, JSONL, Parquet)")
+            raise JaxmemError(
+                f"{setting('tokenizer', spec)} is trained on the data; give {setting('data')} (text files, "
+                "JSONL, Parquet)"
+            )
         return BPETokenizer.train(texts, size)
     if os.path.isfile(spec):
         return BPETokenizer.load(spec)

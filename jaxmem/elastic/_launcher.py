@@ -26,12 +26,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import hold_lock, with_host_devices
+from jaxmem.config import TrainConfig, with_overrides
 
-__all__ = ["Failure", "LaunchInterrupted", "LaunchResult", "launch", "parse_failure"]
+__all__ = ["Failure", "LaunchInterrupted", "LaunchResult", "launch", "default_run_dir", "parse_failure", "run_defaults"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ def parse_failure(text: str) -> Failure:
         fields = dict(part.split("=", 1) for part in text.split(","))
         return Failure(int(fields["rank"]), int(fields["step"]))
     except (ValueError, KeyError):
-        raise JaxmemError(f"--inject-failure takes rank=R,step=K (e.g. rank=1,step=5); got {text!r}") from None
+        raise JaxmemError(f"{setting('failures')} takes rank=R,step=K (e.g. rank=1,step=5); got {text!r}") from None
 
 
 def _free_port() -> int:
@@ -107,15 +109,22 @@ def _hold_run_dir(run: Path):
 
     def busy(holder):
         return JaxmemError(
-            f"{run} is the run dir of a live jaxmem launch ({holder}); stop it first, or pass another --run-dir"
+            f"{run} is the run dir of a live jaxmem launch ({holder}); stop it first, or pass another "
+            f"{setting('run_dir')}"
         )
 
     return hold_lock(run / ".jaxmem-launch.lock", busy)
 
 
-def _run_defaults(run: Path) -> dict:
+def default_run_dir() -> str:
+    """Where a launch keeps its logs, heartbeats and (by default) checkpoints when not told."""
+    return f"runs/launch-{int(time.time())}"
+
+
+def run_defaults(run) -> dict:
     """The run's folders, for the workers unless the user gives their own: the checkpoints and the
-    sample log under the run dir."""
+    sample log under the run dir (settings below the workers' arguments: parse them with these)."""
+    run = Path(run).absolute()
     return {"checkpoint_dir": str(run / "checkpoints"), "sample_log": str(run / "samples.log")}
 
 
@@ -135,6 +144,7 @@ def _read_step(path: Path) -> int | None:
 def launch(
     train_args: list,
     *,
+    config: TrainConfig,
     nprocs: int,
     devices_per_proc: int = 1,
     heartbeat_seconds: float = 60.0,
@@ -152,7 +162,10 @@ def launch(
         train_args: the train command's arguments, passed to every worker as they are; the workers
             take the launcher's settings with them (a checkpoint folder and a sample log under
             ``run_dir`` unless given; after a recovery, its mesh and layer split over them), which
-            the launcher writes to ``attempt-K.json`` in the run dir (:func:`jaxmem.config.from_args`).
+            the launcher writes to ``attempt-K.json`` in the run dir (:func:`jaxmem.config.config_from`).
+        config: the configuration ``train_args`` give over :func:`run_defaults` of ``run_dir``
+            (``jaxmem launch`` parses them so): the launcher plans each attempt's devices and a
+            recovery from it, with the settings its workers take.
         nprocs: worker processes.
         devices_per_proc: devices each worker drives (virtual CPU devices here).
         heartbeat_seconds: a worker whose heartbeat is older than this (after its first step) is failed.
@@ -161,161 +174,211 @@ def launch(
         strategy: force a recovery strategy (by name) instead of the planner's choice.
         timeout: give up (and stop everything) after this many seconds.
     """
-    from jaxmem.config import parse_train_args
-    from jaxmem.elastic._recovery import STRATEGIES, choose_recovery
-    from jaxmem.memory import cpu_cores
-
-    if nprocs < 1 or devices_per_proc < 1:
-        raise JaxmemError(f"--nprocs ({nprocs}) and --devices-per-proc ({devices_per_proc}) must be >= 1")
-    if not heartbeat_seconds > 0:
-        raise JaxmemError(
-            f"--heartbeat-seconds must be > 0 (a worker silent that long is failed), got {heartbeat_seconds}"
-        )
-    if max_restarts < 0 or spares < 0:
-        raise JaxmemError(f"--max-restarts ({max_restarts}) and --spares ({spares}) must be >= 0")
-    runnable = [s for s in STRATEGIES if s != "reroute"]  # reroute is scored; the SPMD executor cannot run it
-    if strategy is not None and strategy not in runnable:
-        raise JaxmemError(f"--strategy {strategy!r} is not one this launcher can run; choose {', '.join(runnable)}")
-    for f in failures:
-        if not (0 <= f.rank < nprocs and f.step >= 1):
-            raise JaxmemError(
-                f"--inject-failure rank={f.rank},step={f.step}: the rank must be 0..{nprocs - 1} (--nprocs {nprocs}) "
-                "and the step >= 1"
-            )
-    limit = max(1, (os.cpu_count() or 1) * 8)
-    if nprocs > limit:
-        raise JaxmemError(f"--nprocs {nprocs} is more than this machine can start ({limit} at most here)")
-    run = Path(run_dir or f"runs/launch-{int(time.time())}").absolute()
-    args = [str(a) for a in train_args] + ["--json", "--quiet"]  # the workers' arguments, as given
-    defaults = _run_defaults(run)
-    parse_train_args(args, defaults=defaults)  # checked before any file is made
-    overrides: dict = {}
+    _check_launch(nprocs, devices_per_proc, heartbeat_seconds, max_restarts, spares, strategy, failures)
+    run = Path(run_dir or default_run_dir()).absolute()
+    # The run's folders where the arguments name none, as each worker takes them (below its arguments).
+    defaults = run_defaults(run)
+    job = _Job(
+        run=run,
+        args=[str(a) for a in train_args] + ["--json", "--quiet"],  # the workers' arguments, as given
+        defaults=defaults,
+        base=with_overrides(config, {k: v for k, v in defaults.items() if getattr(config, k) is None}),
+        devices_per_proc=devices_per_proc,
+        heartbeat_seconds=heartbeat_seconds,
+        timeout=timeout,
+        log=log,
+    )
     run.mkdir(parents=True, exist_ok=True)
     held = _hold_run_dir(run)  # before any log or heartbeat file is touched
-    attempts: list[Attempt] = []
-    deadline = None if timeout is None else time.time() + timeout
-    current_nprocs = nprocs
-    summary = None
-
-    workers: list = []  # the current attempt's processes
     previous = _forward_signals()
+    overrides: dict = {}
     try:
-        for attempt_index in range(max_restarts + 1):
-            config = parse_train_args(args, defaults=defaults, overrides=overrides)
-            needed = config.num_devices
-            if needed > current_nprocs * devices_per_proc:
-                raise JaxmemError(
-                    f"the plan needs data({config.data_parallel}) x fsdp({config.fsdp}) x pipe({config.stages}) x "
-                    f"tensor({config.tensor}) = {needed} devices but {current_nprocs} process(es) x "
-                    f"{devices_per_proc} device(s) are running; pass --nprocs / --devices-per-proc to match"
-                )
-            port = _free_port()
-            attempt = Attempt(current_nprocs, list(args), time.time(), overrides=dict(overrides))
-            attempts.append(attempt)
-            settings = run / f"attempt-{attempt_index}.json"
-            settings.write_text(json.dumps({"defaults": defaults, "overrides": overrides}, indent=2) + "\n")
-            log(
-                f"attempt {attempt_index + 1}: {current_nprocs} process(es) x {devices_per_proc} device(s), "
-                f"mesh data={config.data_parallel},fsdp={config.fsdp},pipe={config.stages},tensor={config.tensor}"
-            )
-            workers.clear()
-            procs = workers
-            heartbeats = _start_workers(
-                procs,
-                args,
-                run,
-                attempt_index,
-                settings=settings,
-                port=port,
-                nprocs=current_nprocs,
-                devices_per_proc=devices_per_proc,
-                heartbeat_seconds=heartbeat_seconds,
-                failures=failures if attempt_index == 0 else (),
-            )
-            failed_rank, progress = _watch(procs, heartbeats, attempt, heartbeat_seconds, deadline)
-            if failed_rank == _TIMED_OUT:
-                _stop(procs)
-                raise JaxmemError(f"launch timed out after {timeout:.0f}s (logs in {run})")
-            if failed_rank is not None and procs[failed_rank].returncode == 2:
-                # a jaxmem error: settings, data or checkpoint, not hardware
-                _stop(procs)
-                raise JaxmemError(
-                    f"worker {failed_rank} stopped on an error (not a failure to recover from): "
-                    f"{_last_error(run / f'worker-{attempt_index}-{failed_rank}.log')} (logs in {run})"
-                )
+        for index in range(max_restarts + 1):
+            attempt, failed_rank, progress = job.attempt(index, nprocs, overrides, failures if index == 0 else ())
             if failed_rank is None:
-                attempt.exit_codes = [p.returncode for p in procs]
-                summary = _summary(run / f"worker-{attempt_index}-0.log")
-                loss = summary and summary.get("loss_last")
-                result = LaunchResult(True, attempts, str(run), summary)
-                recovered = "".join(
-                    f"; recovery {k}: {s:.1f} s from the failure to the first new step"
-                    for k, s in enumerate(result.recovery_seconds(), 1)
-                    if s is not None
-                )
-                log(
-                    f"finished: {summary and summary.get('steps')} steps, final loss "
-                    f"{'-' if loss is None else f'{loss:.4f}'}, {time.time() - attempts[0].started:.1f} s in "
-                    f"{len(attempts)} attempt(s){recovered}"
-                )
-                return result
-            attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
-            _stop(procs)
-            attempt.exit_codes = [p.returncode for p in procs]
-            beats = [read_heartbeat(h) for h in heartbeats]
-            steps_done = max((step or 0) for step, _ in beats)
-            last_ckpt = _latest_checkpoint(Path(config.checkpoint_dir))
-            first = attempt.first_step_at
-            measured = attempt.measured_step_seconds = _pre_failure_step(beats, progress)
-            restart_seconds = (first - attempt.started) if first else 15.0
-            if attempt_index == max_restarts:
-                log(
-                    f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); no "
-                    f"restarts left (--max-restarts {max_restarts}): giving up. Rerun the same command to resume "
-                    f"from the last checkpoint (logs in {run})"
-                )
+                return job.finished()
+            choice = job.recover(
+                attempt, failed_rank, progress, spares=spares, strategy=strategy, restarts=max_restarts - index
+            )
+            if choice is None:
                 break
-            log(
-                f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt}); "
-                "planning recovery"
-            )
-            recovery = choose_recovery(
-                config,
-                devices_per_proc=devices_per_proc,
-                nprocs=current_nprocs,
-                failed=[failed_rank],
-                spares=spares,
-                steps_done=steps_done,
-                last_checkpoint=last_ckpt or 0,
-                measured_step_seconds=measured,
-                restart_seconds=restart_seconds,
-                cores=cpu_cores(),
-            )
-            for line in recovery.explain():
-                log(f"  {line}")
-            choice = recovery.choice
-            if strategy:
-                forced = [c for c in recovery.candidates if c.name == strategy and c.runnable]
-                if not forced:
-                    raise JaxmemError(
-                        f"recovery strategy {strategy!r} cannot run here; runnable: "
-                        f"{[c.name for c in recovery.candidates if c.runnable]}"
-                    )
-                choice = forced[0]
-            attempt.strategy = choice.to_json()
             if choice.name == "restart-on-spares":
                 spares -= 1
-            current_nprocs = choice.nprocs
+            nprocs = choice.nprocs
             overrides = {**overrides, **_recovered_overrides(choice)}
-        return LaunchResult(False, attempts, str(run), None)
+        return LaunchResult(False, job.attempts, str(run), None)
     except LaunchInterrupted as e:
         log(f"launcher got {signal.Signals(e.signum).name}: stopping the workers (each saves its current step)")
-        _stop(workers, grace=120)
+        _stop(job.workers, grace=120)
         raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         held.close()
+
+
+def _check_launch(nprocs, devices_per_proc, heartbeat_seconds, max_restarts, spares, strategy, failures) -> None:
+    """Refuse a launch's bad settings before any file or process is made."""
+    from jaxmem.elastic._recovery import STRATEGIES
+
+    if nprocs < 1 or devices_per_proc < 1:
+        raise JaxmemError(
+            f"{setting('nprocs', nprocs)} and {setting('devices_per_proc', devices_per_proc)} must be >= 1"
+        )
+    if not heartbeat_seconds > 0:
+        raise JaxmemError(
+            f"{setting('heartbeat_seconds')} must be > 0 (a worker silent that long is failed), got {heartbeat_seconds}"
+        )
+    if max_restarts < 0 or spares < 0:
+        raise JaxmemError(f"{setting('max_restarts', max_restarts)} and {setting('spares', spares)} must be >= 0")
+    runnable = [s for s in STRATEGIES if s != "reroute"]  # reroute is scored; the SPMD executor cannot run it
+    if strategy is not None and strategy not in runnable:
+        raise JaxmemError(
+            f"{setting('strategy', strategy)} is not one this launcher can run; choose {', '.join(runnable)}"
+        )
+    for f in failures:
+        if not (0 <= f.rank < nprocs and f.step >= 1):
+            raise JaxmemError(
+                f"{setting('failures')}: rank={f.rank},step={f.step}: the rank must be 0..{nprocs - 1} "
+                f"({setting('nprocs', nprocs)}) and the step >= 1"
+            )
+    limit = max(1, (os.cpu_count() or 1) * 8)
+    if nprocs > limit:
+        raise JaxmemError(f"{setting('nprocs', nprocs)} is more than this machine can start ({limit} at most here)")
+
+
+@dataclasses.dataclass
+class _Job:
+    """One launch's fixed settings and its attempts so far: :meth:`attempt` runs one to its end or
+    first failure, :meth:`recover` plans the next from a failed one."""
+
+    run: Path
+    args: list
+    defaults: dict
+    base: TrainConfig  # the workers' configuration before any recovery's overrides
+    devices_per_proc: int
+    heartbeat_seconds: float
+    timeout: float | None
+    log: Callable
+    attempts: list = dataclasses.field(default_factory=list)
+    workers: list = dataclasses.field(default_factory=list)  # the current attempt's processes
+    config: TrainConfig | None = None  # the current attempt's configuration, as its workers take it
+    heartbeats: list = dataclasses.field(default_factory=list)
+    deadline: float | None = None
+
+    def __post_init__(self):
+        self.deadline = None if self.timeout is None else time.time() + self.timeout
+
+    def attempt(self, index: int, nprocs: int, overrides: dict, failures) -> tuple[Attempt, int | None, list]:
+        """Start ``nprocs`` workers with ``overrides`` over their arguments and watch them: ``(the
+        attempt, the failed rank or None when all finished, the steps' progress)``. A worker's
+        jaxmem error (settings, data, checkpoint: not hardware) and the deadline raise."""
+        config = self.config = with_overrides(self.base, overrides)
+        needed = config.num_devices
+        if needed > nprocs * self.devices_per_proc:
+            raise JaxmemError(
+                f"the plan needs data({config.data_parallel}) x fsdp({config.fsdp}) x pipe({config.pipe}) x "
+                f"tensor({config.tensor}) = {needed} devices but {nprocs} process(es) x "
+                f"{self.devices_per_proc} device(s) are running; set {setting('nprocs')} / "
+                f"{setting('devices_per_proc')} to match"
+            )
+        port = _free_port()
+        attempt = Attempt(nprocs, list(self.args), time.time(), overrides=dict(overrides))
+        self.attempts.append(attempt)
+        settings = self.run / f"attempt-{index}.json"
+        settings.write_text(json.dumps({"defaults": self.defaults, "overrides": overrides}, indent=2) + "\n")
+        self.log(f"attempt {index + 1}: {nprocs} process(es) x {self.devices_per_proc} device(s), mesh {config.mesh}")
+        self.workers.clear()
+        self.heartbeats = _start_workers(
+            self.workers,
+            self.args,
+            self.run,
+            index,
+            settings=settings,
+            port=port,
+            nprocs=nprocs,
+            devices_per_proc=self.devices_per_proc,
+            heartbeat_seconds=self.heartbeat_seconds,
+            failures=failures,
+        )
+        failed_rank, progress = _watch(self.workers, self.heartbeats, attempt, self.heartbeat_seconds, self.deadline)
+        if failed_rank == _TIMED_OUT:
+            _stop(self.workers)
+            raise JaxmemError(f"launch timed out after {self.timeout:.0f}s (logs in {self.run})")
+        if failed_rank is not None and self.workers[failed_rank].returncode == 2:
+            _stop(self.workers)
+            raise JaxmemError(
+                f"worker {failed_rank} stopped on an error (not a failure to recover from): "
+                f"{_last_error(self.run / f'worker-{index}-{failed_rank}.log')} (logs in {self.run})"
+            )
+        if failed_rank is None:
+            attempt.exit_codes = [p.returncode for p in self.workers]
+        return attempt, failed_rank, progress
+
+    def finished(self) -> LaunchResult:
+        """The result of a launch whose last attempt finished, said in one line."""
+        summary = _summary(self.run / f"worker-{len(self.attempts) - 1}-0.log")
+        loss = summary and summary.get("loss_last")
+        result = LaunchResult(True, self.attempts, str(self.run), summary)
+        recovered = "".join(
+            f"; recovery {k}: {s:.1f} s from the failure to the first new step"
+            for k, s in enumerate(result.recovery_seconds(), 1)
+            if s is not None
+        )
+        self.log(
+            f"finished: {summary and summary.get('steps')} steps, final loss "
+            f"{'-' if loss is None else f'{loss:.4f}'}, {time.time() - self.attempts[0].started:.1f} s in "
+            f"{len(self.attempts)} attempt(s){recovered}"
+        )
+        return result
+
+    def recover(self, attempt: Attempt, failed_rank: int, progress: list, *, spares: int, strategy, restarts: int):
+        """Stop a failed attempt's workers and choose the next layout: the recovery planner's
+        choice (or ``strategy``'s), or None when no ``restarts`` are left."""
+        from jaxmem.elastic._recovery import choose_recovery
+        from jaxmem.memory import cpu_cores
+
+        attempt.failed_rank, attempt.failed_at = failed_rank, time.time()
+        _stop(self.workers)
+        attempt.exit_codes = [p.returncode for p in self.workers]
+        beats = [read_heartbeat(h) for h in self.heartbeats]
+        steps_done = max((step or 0) for step, _ in beats)
+        last_ckpt = _latest_checkpoint(Path(self.config.checkpoint_dir))
+        first = attempt.first_step_at
+        measured = attempt.measured_step_seconds = _pre_failure_step(beats, progress)
+        failed = f"worker {failed_rank} failed at step ~{steps_done} (last checkpoint: step {last_ckpt})"
+        if not restarts:
+            self.log(
+                f"{failed}; no restarts left ({setting('max_restarts', len(self.attempts) - 1)}): giving up. Rerun "
+                f"the same command to resume from the last checkpoint (logs in {self.run})"
+            )
+            return None
+        self.log(f"{failed}; planning recovery")
+        recovery = choose_recovery(
+            self.config,
+            devices_per_proc=self.devices_per_proc,
+            nprocs=attempt.nprocs,
+            failed=[failed_rank],
+            spares=spares,
+            steps_done=steps_done,
+            last_checkpoint=last_ckpt or 0,
+            measured_step_seconds=measured,
+            restart_seconds=(first - attempt.started) if first else 15.0,
+            cores=cpu_cores(),
+        )
+        for line in recovery.explain():
+            self.log(f"  {line}")
+        choice = recovery.choice
+        if strategy:
+            forced = [c for c in recovery.candidates if c.name == strategy and c.runnable]
+            if not forced:
+                raise JaxmemError(
+                    f"recovery strategy {strategy!r} cannot run here; runnable: "
+                    f"{[c.name for c in recovery.candidates if c.runnable]}"
+                )
+            choice = forced[0]
+        attempt.strategy = choice.to_json()
+        return choice
 
 
 _TIMED_OUT = -1  # what _watch returns for the failed rank when the launch's deadline passed

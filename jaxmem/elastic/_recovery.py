@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import human_bytes
-from jaxmem.config import GENERATED_POLICIES
+from jaxmem.config import GENERATED_POLICIES, MeshSpec
 from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE, estimate, get_hardware
 from jaxmem.pipeline import balanced_layers
 from jaxmem.schedule import Schedule, ScheduleError, generate, lockstep_ticks
@@ -58,7 +58,7 @@ class RecoveryError(JaxmemError):
 class Strategy:
     name: str
     nprocs: int
-    stages: int
+    pipe: int
     data_parallel: int
     layers_per_stage: tuple[int, ...] | None
     runnable: bool
@@ -78,12 +78,12 @@ class Strategy:
     @property
     def mesh(self) -> str:
         """The strategy's mesh as ``--mesh`` takes it."""
-        return f"data={self.data_parallel},fsdp={self.fsdp},pipe={self.stages},tensor={self.tensor}"
+        return str(MeshSpec(data=self.data_parallel, fsdp=self.fsdp, pipe=self.pipe, tensor=self.tensor))
 
     @property
     def layout(self) -> str:
         """``P=.. D=..`` (with ``F=``/``T=`` when those axes are in use)."""
-        text = f"P={self.stages} D={self.data_parallel}"
+        text = f"P={self.pipe} D={self.data_parallel}"
         return text + (f" F={self.fsdp}" if self.fsdp > 1 else "") + (f" T={self.tensor}" if self.tensor > 1 else "")
 
     def to_json(self) -> dict:
@@ -231,7 +231,7 @@ def choose_recovery(
         hardware = dataclasses.replace(HARDWARE["cpu"], cores=cores, note="nominal, scaled by the measured step")
     hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
     model = config.build_model()
-    P, D, M = config.stages, config.data_parallel, config.microbatches
+    P, D, M = config.pipe, config.data_parallel, config.microbatches
     F, T = config.fsdp, config.tensor
     B, seq = config.batch_size, config.seq_len
     schedule_name = config.schedule or "1f1b"
@@ -356,7 +356,7 @@ def choose_recovery(
                 + (
                     ""
                     if str(config.policy) == "recompute-all"
-                    else ", or pick a policy that holds less (--policy recompute-all)"
+                    else f", or pick a policy that holds less ({setting('policy', 'recompute-all')})"
                 )
             )
         raise RecoveryError(

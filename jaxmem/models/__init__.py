@@ -24,7 +24,7 @@ from jaxmem.models._registry import get_config as get_config
 from jaxmem.models._registry import get_model as get_model
 from jaxmem.models._registry import model_from_description as model_from_description
 from jaxmem.models._registry import model_name as model_name
-from jaxmem.models._sample import generate as generate
+from jaxmem.models._sample import sample as sample
 from jaxmem.models.gpt import GPT as GPT
 from jaxmem.models.gpt import GPT_TAGS as GPT_TAGS
 from jaxmem.models.gpt import Block as Block

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import tree_with as _with
 from jaxmem._util import tree_without as _without
 from jaxmem.policy import TagSet
@@ -89,7 +89,7 @@ def check_config(config, positive: Sequence[str]) -> None:
         object.__setattr__(config, field, dtype_name(getattr(config, field), f"{kind}.{field}"))
     attention = getattr(config, "attention", ATTENTION[0])
     if attention not in ATTENTION:
-        raise JaxmemError(f"{kind}.attention is materialized or fused (--attention), got {attention!r}")
+        raise JaxmemError(f"{kind}.attention ({setting('attention')}) is materialized or fused, got {attention!r}")
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

@@ -12,10 +12,10 @@ import numpy as np
 
 from jaxmem._errors import JaxmemError
 
-__all__ = ["generate"]
+__all__ = ["sample"]
 
 
-def generate(
+def sample(
     model,
     params,
     prompt: Sequence[int],

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem.models import RNG_SPEC, StagedModel, get_model
 from jaxmem.pipeline._body import StepBody, varying_axes
 from jaxmem.pipeline._compute_copy import compute_model_abstract, may_cut_master, narrow_vocab
@@ -79,7 +79,7 @@ def make_mesh(data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, 
         shape = " x ".join(f"{k}({v})" for k, v in sizes.items() if v > 1 or k in ("data", "pipe"))
         raise JaxmemError(
             f"{shape} = {need} devices, but only {len(devices)} are available "
-            f"({devices[0].platform}); on CPU, start with more virtual devices: --devices {need} on the CLI, or "
+            f"({devices[0].platform}); on CPU, start with more virtual devices: {setting('devices', need)}, or "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX is imported"
         )
     if tensor == 1:
@@ -209,8 +209,8 @@ class Pipeline:
         if mesh.shape["pipe"] != schedule.num_ranks:
             raise JaxmemError(
                 f"the schedule has {schedule.num_ranks} ranks but the mesh's pipe axis has "
-                f"{mesh.shape['pipe']} devices; build the schedule with {mesh.shape['pipe']} ranks (--stages "
-                f"{mesh.shape['pipe']} on the CLI) or a mesh whose pipe axis has {schedule.num_ranks}"
+                f"{mesh.shape['pipe']} devices; build the schedule with {mesh.shape['pipe']} ranks "
+                f"({setting('pipe', mesh.shape['pipe'])}) or a mesh whose pipe axis has {schedule.num_ranks}"
             )
         per_rank = {len(schedule.stages_of(r)) for r in range(schedule.num_ranks)}
         if len(per_rank) != 1:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import tree_get
 from jaxmem.models import EMBED_KEY, HEAD_KEY, layer_batch
 from jaxmem.pipeline._vocab import join_vocab, split_vocab, with_vocab_placeholders
@@ -62,11 +62,11 @@ def split_layers(n_layers: int, n_stages: int, layer_counts: Sequence[int] | Non
         return counts
     if n_layers % n_stages:
         ok = ", ".join(str(d) for d in _divisors(n_layers))
-        example = ",".join(map(str, balanced_layers(n_layers, n_stages)))
+        example = balanced_layers(n_layers, n_stages)
         raise JaxmemError(
             f"{n_layers} layers do not split evenly over {n_stages} stages; stage counts that divide "
             f"{n_layers}: {ok} (stages = pipeline ranks x virtual stages per rank), or give the layers of each "
-            f"stage (layer_counts=({example}) in Python, --layers-per-stage {example} on the CLI)"
+            f"stage, e.g. {setting('layer_counts', tuple(example))}"
         )
     return (n_layers // n_stages,) * n_stages
 

@@ -94,7 +94,7 @@ class TagSet:
 
 
 # How a base decides for every declared tag: the tags it saves and the tags it offloads.
-BASES = ("save-all", "recompute-all", "selective", "offload-all")
+BASES = ("save-all", "recompute-all", "selective", "offload-tags")
 
 
 def _base_sets(base: str, tags: TagSet) -> tuple[frozenset, frozenset]:
@@ -105,7 +105,7 @@ def _base_sets(base: str, tags: TagSet) -> tuple[frozenset, frozenset]:
         return frozenset(), frozenset()
     if base == "selective":  # Megatron's selective recompute: all but the quadratic tensors
         return everything - tags.group("quadratic"), frozenset()
-    return frozenset(), everything  # offload-all
+    return frozenset(), everything  # offload-tags
 
 
 def _decision(tag: str, value) -> Decision:
@@ -122,7 +122,8 @@ class StagePolicy:
     Attributes:
         base: ``save-all`` (every declared tag kept on device), ``recompute-all`` (only the stage
             input kept; everything recomputed in the backward), ``selective`` (all but the model's
-            ``quadratic`` tags) or ``offload-all`` (every declared tag moved to host).
+            ``quadratic`` tags) or ``offload-tags`` (every declared tag moved to host; ``offload-all`` is
+            its older name).
         tags: per-tag overrides of the base, ``(tag, decision)`` pairs (a mapping is accepted).
         offload_stash: keep this stage's whole stash (everything saved between F and B) on host.
         offload_weights: keep the stage's weights on host between steps, fetched when used.
@@ -150,6 +151,8 @@ class StagePolicy:
     recompute_layers: int = 0
 
     def __post_init__(self):
+        if self.base == "offload-all":  # the older name
+            object.__setattr__(self, "base", "offload-tags")
         if self.base not in BASES:
             raise PolicyError(f"unknown policy base {self.base!r}; bases: {', '.join(BASES)}")
         k = self.recompute_layers
@@ -293,7 +296,7 @@ PRESETS: dict[str, StagePolicy] = {
     "offload-stash": StagePolicy(offload_stash=True),
     "offload-weights": StagePolicy(offload_weights=True),
     "offload-optimizer-state": StagePolicy(offload_optimizer_state=True),
-    "offload-tags": StagePolicy(base="offload-all"),
+    "offload-tags": StagePolicy(base="offload-tags"),
 }
 KEEP_GATHERED = "+keep-gathered"  # a preset name with this suffix keeps FSDP's gathered weights F->B
 PRESET_HELP = {

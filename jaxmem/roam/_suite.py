@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem.models import get_model, make_batch
 
 __all__ = ["TrainStep", "accumulated_train_step", "chunked_loss_train_step", "experts_train_step", "model_train_step"]
@@ -102,7 +102,7 @@ def accumulated_train_step(model="tiny", *, microbatches: int = 4, batch: int = 
     one per slice of the batch, in a Python loop, differentiated as one function. Program order runs
     every microbatch's forward before any backward, so all their activations are alive at once; an
     order that finishes one microbatch's backward before the next forward needs one's."""
-    model, seq, params = _language_model(model, seq, "--accumulate")
+    model, seq, params = _language_model(model, seq, setting("accumulate"))
     tokens = jax.ShapeDtypeStruct((batch * microbatches, seq), jnp.int32)
 
     def loss_of(p, tokens, targets):
@@ -121,7 +121,7 @@ def chunked_loss_train_step(model="tiny", *, chunks: int = 8, batch: int = 4, se
     chunked cross-entropy does), written as a sum over chunks. Program order computes every chunk's
     logits before any chunk's backward; an order that finishes one chunk's head backward before the
     next chunk's logits keeps one chunk's logits alive instead of all."""
-    model, seq, params = _language_model(model, seq, "--loss-chunks")
+    model, seq, params = _language_model(model, seq, setting("loss_chunks"))
     if seq % chunks:
         raise ValueError(f"seq {seq} is not divisible by chunks {chunks}")
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)

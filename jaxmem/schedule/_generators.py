@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from jaxmem._errors import setting
 from jaxmem.schedule._action import Action, Kind
 from jaxmem.schedule._table import Schedule, ScheduleError
 from jaxmem.schedule._validate import lockstep_ticks, validate
@@ -429,8 +430,8 @@ def generate(name: str, pipe: int, microbatches: int, virtual: int | None = None
         return info.fn(pipe, microbatches, virtual if virtual is not None else info.default_virtual)
     if virtual not in (None, info.default_virtual):
         raise ScheduleError(
-            f"schedule {info.name!r} does not take --virtual (it uses {info.default_virtual} "
-            f"stage(s) per rank); drop --virtual {virtual} or use interleaved-1f1b"
+            f"schedule {info.name!r} does not take {setting('virtual')} (it uses {info.default_virtual} "
+            f"stage(s) per rank); drop {setting('virtual', virtual)} or use interleaved-1f1b"
         )
     return info.fn(pipe, microbatches)
 

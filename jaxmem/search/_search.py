@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import human_bytes
 
 __all__ = [
@@ -135,7 +135,7 @@ class SearchResult:
         elif self.margin:
             lines.append(
                 f"  planned under {human_bytes(self.planned_bytes)}: the budget less a {self.margin:.0%} margin "
-                "for the ledger's error (not compiled here; --margin sets it)"
+                f"for the ledger's error (not compiled here; {setting('margin')} sets it)"
             )
         for c in [c for c in self.ranked if c is not b][:top]:
             why = (
@@ -454,7 +454,7 @@ def search(
             "data x microbatches"
         )
     if not 0 <= margin < 1:
-        raise JaxmemError(f"the margin (--margin) is a fraction of the budget in [0, 1), e.g. 0.1; got {margin}")
+        raise JaxmemError(f"{setting('margin')} is a fraction of the budget in [0, 1), e.g. 0.1; got {margin}")
     planned = budget_bytes / (1 + margin)
     candidates = []
     for i, (schedule, data, fsdp_size, tensor) in enumerate(pairs):
@@ -536,6 +536,6 @@ def confirm(
     raise SearchError(
         f"none of the {len(fitting)} fastest plans predicted to fit {human_bytes(result.budget_bytes)} per device "
         f"fits it when compiled (smallest compiled: {human_bytes(min(r['compiled_bytes'] for r in rejected))}); "
-        "pass a larger --budget or more devices",
+        f"give a larger {setting('budget')} or more devices",
         min(r["compiled_bytes"] for r in rejected),
     )

@@ -124,7 +124,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
         "tokens_per_second": tokens / seconds,
         "seconds": seconds,
         "schedule": trainer.schedule.name,
-        "stages": config.stages,
+        "pipe": config.pipe,
         "microbatches": config.microbatches,
         "devices": config.num_devices,
         "model": trainer.model.name,

@@ -42,7 +42,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmem._errors import JaxmemError, first_line
+from jaxmem._errors import JaxmemError, first_line, setting
 from jaxmem._util import hold_lock
 
 __all__ = [
@@ -74,7 +74,7 @@ def _lock(directory: Path):
     def busy(holder):
         return CheckpointError(
             f"{directory} is in use by another jaxmem run ({holder}); two writers would corrupt it. Stop that "
-            "run, wait for it to finish, or pass another --checkpoint-dir"
+            f"run, wait for it to finish, or pass another {setting('checkpoint_dir')}"
         )
 
     try:
@@ -82,7 +82,7 @@ def _lock(directory: Path):
     except OSError as e:
         raise CheckpointError(
             f"cannot write in the checkpoint folder {directory} ({e.strerror or e}); pass a writable "
-            "--checkpoint-dir (its steps there are untouched)"
+            f"{setting('checkpoint_dir')} (its steps there are untouched)"
         ) from None
 
 
@@ -330,7 +330,7 @@ def _check_same_arrays(step: int, manifest: dict, target: dict) -> None:
     )
     raise CheckpointMismatch(
         f"checkpoint step {step} was saved by a different model or optimizer ({detail}). Resume with the "
-        "settings that trained it, or pass a new --checkpoint-dir"
+        f"settings that trained it, or pass a new {setting('checkpoint_dir')}"
     )
 
 
@@ -409,7 +409,7 @@ class Checkpointer:
             except OSError as e:
                 raise CheckpointError(
                     f"cannot write the checkpoint directory {self.directory}: {e.strerror or e}; "
-                    "pass a writable --checkpoint-dir"
+                    f"pass a writable {setting('checkpoint_dir')}"
                 ) from None
 
     # ------------------------------------------------------------------ save
@@ -490,7 +490,7 @@ class Checkpointer:
             self.log(
                 f"warning: {free / 2**20:.1f} MiB free on {self.directory}, and a checkpoint step takes about "
                 f"{nbytes / 2**20:.1f} MiB (keeping {self.keep} steps); the save may fail. Free disk space or "
-                "pass another --checkpoint-dir"
+                f"pass another {setting('checkpoint_dir')}"
             )
 
     def __del__(self):  # a Checkpointer dropped without close() still releases its lock
@@ -546,7 +546,7 @@ class Checkpointer:
             return restored
         raise CheckpointError(
             f"no checkpoint step in {self.directory} verifies ({'; '.join(reasons)}). Nothing was changed; start "
-            "a new --checkpoint-dir or restore the directory from a copy"
+            f"a new {setting('checkpoint_dir')} or restore the directory from a copy"
         )
 
     def check(self, target, step: int | None = None) -> dict | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxmem._errors import setting
 from jaxmem.config import TrainConfig
 
 
@@ -60,7 +61,11 @@ class StopRequests:
     def announce(self, step: int, config: TrainConfig, log) -> None:
         """Say that a signal stopped the run at ``step`` and whether it is saved (after the loop)."""
         if self.reason:
-            saved = "saving a checkpoint" if config.checkpoint_dir else "no --checkpoint-dir, so nothing is saved"
+            saved = (
+                "saving a checkpoint"
+                if config.checkpoint_dir
+                else f"no {setting('checkpoint_dir')}, so nothing is saved"
+            )
             log(f"{self.reason}: stopping after step {step}/{config.steps}, {saved}")
 
 

@@ -11,9 +11,9 @@ import shutil
 import jax
 import numpy as np
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem.data import EOS, BPETokenizer, ByteTokenizer, get_tokenizer
-from jaxmem.models import describe_model, generate, get_model, model_from_description
+from jaxmem.models import describe_model, get_model, model_from_description, sample
 from jaxmem.models.hf import config_from_hf, from_hf, hf_config, to_hf
 from jaxmem.train._checkpoint import MARKER, read_params
 from jaxmem.train._state_io import model_params
@@ -93,7 +93,9 @@ def _read_checkpoint(directory: str, step: int | None):
     if not os.path.isdir(directory):
         raise JaxmemError(f"{directory}: no such checkpoint directory")
     if not os.path.exists(os.path.join(directory, MARKER)):
-        raise JaxmemError(f"{directory} is not a jaxmem checkpoint directory (no {MARKER}); pass a --checkpoint-dir")
+        raise JaxmemError(
+            f"{directory} is not a jaxmem checkpoint directory (no {MARKER}); give a run's {setting('checkpoint_dir')}"
+        )
     return read_params(directory, step)
 
 
@@ -166,12 +168,15 @@ def export_checkpoint(
     restored, description, model, _, flat = _checkpoint_model(checkpoint_dir, step, model)
     if format == "hf" and description is None:
         raise JaxmemError(
-            f"--format hf writes the built-in GPT and Llama in transformers' layout; {model.name} is a model of "
-            "your own (export it with --format jaxmem)"
+            f"{setting('format', 'hf')} writes the built-in GPT and Llama in transformers' layout; {model.name} "
+            f"is a model of your own (export it with {setting('format', 'jaxmem')})"
         )
     meta = restored.meta
     if os.path.exists(os.path.join(out_dir, WEIGHTS)) and not force:
-        raise JaxmemError(f"{out_dir} already holds an export ({WEIGHTS}); choose another -o or pass --force")
+        raise JaxmemError(
+            f"{out_dir} already holds an export ({WEIGHTS}); choose another {setting('out_dir')} or set "
+            f"{setting('force')}"
+        )
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = meta.get("tokenizer") or "byte"
     saved_tokenizer = os.path.join(checkpoint_dir, TOKENIZER)
@@ -236,11 +241,11 @@ class Exported:
     def __init__(self, model, params, tokenizer, config: dict):
         self.model, self.params, self.tokenizer, self.config = model, params, tokenizer, config
 
-    def generate(self, prompt: str, **kwargs) -> str:
-        """Continue a text prompt (keyword arguments as :func:`jaxmem.models.generate`)."""
+    def sample(self, prompt: str, **kwargs) -> str:
+        """Continue a text prompt (keyword arguments as :func:`jaxmem.models.sample`)."""
         if self.tokenizer is None:
-            raise JaxmemError("this model came without a tokenizer.json; call jaxmem.models.generate with token ids")
-        ids = generate(self.model, self.params, self.tokenizer.encode(prompt), **kwargs)
+            raise JaxmemError("this model came without a tokenizer.json; call jaxmem.models.sample with token ids")
+        ids = sample(self.model, self.params, self.tokenizer.encode(prompt), **kwargs)
         return self.tokenizer.decode(ids)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxmem._errors import setting
 from jaxmem.config import TrainConfig
 from jaxmem.data import Batch, BPETokenizer
 from jaxmem.train._checkpoint import Checkpointer, CheckpointError
@@ -173,7 +174,7 @@ class CheckpointHook(Hook):
             self.skipped.append(state.step)
             self.log(
                 f"the run ends with its loss diverged: step {state.step} is not saved; resume from step "
-                f"{checkpointer.latest_step()} (lower --lr or add --grad-clip)"
+                f"{checkpointer.latest_step()} (lower {setting('lr')} or set {setting('grad_clip')})"
             )
         elif checkpointer.latest_step() != state.step:
             exported, meta = trainer.export_state(state)

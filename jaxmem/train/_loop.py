@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import compiled_bytes, human_bytes, tree_bytes
 from jaxmem.config import TrainConfig
 from jaxmem.memory import get_hardware
@@ -47,7 +47,8 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
         raise SearchError(
             f"nothing fits a budget of {human_bytes(config.budget)} per device on {devices} devices: the "
             f"parameters, gradients and optimizer state alone take {human_bytes(4 * param_bytes)}, at least "
-            f"{human_bytes(floor)} per device however they are cut (pass a larger --budget, or more devices)",
+            f"{human_bytes(floor)} per device however they are cut (give a larger {setting('budget')}, or more "
+            "devices)",
             floor,
         )
     # The run compiles here, so each pick is compiled and checked before it is taken (no margin
@@ -69,7 +70,7 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
         need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit
         raise SearchError(
             f"nothing fits a budget of {human_bytes(config.budget)} per device on {devices} devices; the "
-            f"smallest plan needs {need} (pass --budget {need} or more, or more devices)",
+            f"smallest plan needs {need} ({setting('budget', need)} or more, or more devices)",
             result.smallest_budget,
         )
     trainers = {}  # the last candidate compiled: the pick, when it fits
@@ -223,7 +224,7 @@ def train(
         tokenizer = f", {trainer.tokenizer.name} tokens" if trainer.tokenizer is not None else ""
         console.print(
             f"[bold]jaxmem train[/bold]: {trainer.model.name} ({trainer.model.param_count():,} params) on "
-            f"{data}{tokenizer}, {trainer.schedule.name} P={config.stages} M={config.microbatches} "
+            f"{data}{tokenizer}, {trainer.schedule.name} P={config.pipe} M={config.microbatches} "
             f"stages={trainer.schedule.num_stages} data={config.data_parallel}"
             f"{f' fsdp={config.fsdp}' if config.fsdp > 1 else ''}"
             f"{f' tensor={config.tensor}' if config.tensor > 1 else ''} on "
@@ -256,8 +257,8 @@ def train(
                     hook.on_error(trainer, state)
                 raise TrainingError(
                     f"the loss is {loss_value} at step {new_state.step} (gradient norm {values.get('grad_norm')}); "
-                    f"stopped without saving it. Lower --lr (now {config.lr:g}), add --grad-clip 1.0 or "
-                    "--warmup-steps, and resume from the last checkpoint"
+                    f"stopped without saving it. Lower {setting('lr')} (now {config.lr:g}), set "
+                    f"{setting('grad_clip', 1.0)} or {setting('warmup_steps')}, and resume from the last checkpoint"
                 )
             state = new_state
             if compile_seconds is None:
@@ -311,7 +312,7 @@ def train(
         "compile_seconds": compile_seconds,
         "run_seconds": run_seconds,
         "schedule": trainer.schedule.name,
-        "stages": config.stages,
+        "pipe": config.pipe,
         "pipeline_stages": trainer.schedule.num_stages,
         "microbatches": config.microbatches,
         "data_parallel": config.data_parallel,

@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from jaxmem._errors import JaxmemError
+from jaxmem._errors import JaxmemError, setting
 from jaxmem.memory import compiled_bytes, model_facts
 from jaxmem.train._hooks import Hook, StepInfo
 
@@ -116,7 +116,8 @@ class MetricsHook(Hook):
             os.makedirs(self.run_dir, exist_ok=True)
         except OSError as e:
             raise JaxmemError(
-                f"cannot write the run directory {self.run_dir}: {e.strerror or e}; pass a writable --run-dir"
+                f"cannot write the run directory {self.run_dir}: {e.strerror or e}; pass a writable "
+                f"{setting('run_dir')}"
             ) from None
         jsonl = os.path.join(self.run_dir, "metrics.jsonl")
         kept = [r for r in read_metrics(self.run_dir) if r["step"] <= state.step] if os.path.exists(jsonl) else []

@@ -12,8 +12,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmem._errors import JaxmemError
-from jaxmem.config import GENERATED_POLICIES, TrainConfig
+from jaxmem._errors import JaxmemError, setting
+from jaxmem.config import GENERATED_POLICIES, OptimizerSpec, TrainConfig
 from jaxmem.data import ORDER, Batch, DataIterator, load_corpus
 from jaxmem.memory import measure
 from jaxmem.models import StagedModel, describe_model
@@ -24,8 +24,10 @@ from jaxmem.train._state_io import TrainStateReader, nest
 __all__ = ["Trainer", "abstract_state", "learning_rate", "make_optimizer"]
 
 
-def learning_rate(config: TrainConfig):
-    """The config's learning-rate schedule (an optax schedule: step -> lr)."""
+def learning_rate(spec: OptimizerSpec | TrainConfig):
+    """The learning-rate schedule (an optax schedule: step -> lr) of an :class:`OptimizerSpec` (a
+    :class:`TrainConfig` gives its own, :attr:`TrainConfig.optimizer`)."""
+    config = spec.optimizer if isinstance(spec, TrainConfig) else spec
     warmup = config.warmup_steps
     if config.lr_schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
@@ -54,10 +56,11 @@ def _decay_mask(params):
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def make_optimizer(config: TrainConfig):
-    """The optimizer a config asks for: Adam, or AdamW with ``weight_decay`` (on matrices only, not on
-    biases, norms' scales or other vectors), under the learning-rate schedule, after clipping the
-    gradients' global norm to ``grad_clip``."""
+def make_optimizer(spec: OptimizerSpec | TrainConfig):
+    """The optimizer an :class:`OptimizerSpec` (or a :class:`TrainConfig`'s) asks for: Adam, or AdamW
+    with ``weight_decay`` (on matrices only, not on biases, norms' scales or other vectors), under the
+    learning-rate schedule, after clipping the gradients' global norm to ``grad_clip``."""
+    config = spec.optimizer if isinstance(spec, TrainConfig) else spec
     lr = learning_rate(config)
     if config.weight_decay:
         opt = optax.adamw(lr, weight_decay=config.weight_decay, mask=_decay_mask)
@@ -96,7 +99,8 @@ class Trainer:
             policy = config.build_policy(self.model, self.schedule)
             config = dataclasses.replace(config, policy=policy, budget=config.budget if config.run_dir else None)
         self.config = config
-        self.mesh = make_mesh(config.data_parallel, config.stages, devices, fsdp=config.fsdp, tensor=config.tensor)
+        mesh = config.mesh
+        self.mesh = make_mesh(mesh.data, mesh.pipe, devices, fsdp=mesh.fsdp, tensor=mesh.tensor)
         self.pipeline = Pipeline(
             self.model,
             self.schedule,
@@ -108,8 +112,8 @@ class Trainer:
         )
         self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
         self.pipeline.check_batch(self.batch_spec())
-        self.optimizer = optimizer or make_optimizer(config)
-        self.learning_rate = learning_rate(config) if optimizer is None else None
+        self.optimizer = optimizer or make_optimizer(config.optimizer)
+        self.learning_rate = learning_rate(config.optimizer) if optimizer is None else None
         self.data_iterator()  # checks the data against the model (vocabulary, sequence length)
         self._step_fn = None
         self._compiled = None
@@ -130,7 +134,7 @@ class Trainer:
         """The batches of the training data (``split="eval"``: of the held-out data)."""
         source = self.eval_corpus if split == "eval" else self.corpus
         if split == "eval" and source is None:
-            raise JaxmemError("this run holds out no eval data; set --eval-fraction")
+            raise JaxmemError(f"this run holds out no eval data; set {setting('eval_fraction')}")
         return DataIterator(
             source=source if source is not None else "synthetic",
             batch_size=self.config.batch_size,
@@ -291,7 +295,7 @@ class Trainer:
             "layout": self.pipeline.param_layout.to_json(),
             "plan": {
                 "schedule": self.schedule.name,
-                "stages": config.stages,
+                "pipe": config.pipe,
                 "data_parallel": config.data_parallel,
                 "microbatches": self.schedule.num_microbatches,
                 "virtual": config.virtual,
@@ -321,24 +325,26 @@ class Trainer:
         data order); else the data iterator positioned where that step stopped. Reads no array."""
         if meta.get("seed") is not None and meta["seed"] != self.config.seed:
             raise JaxmemError(
-                f"the checkpoint at step {meta['step']} was trained with --seed {meta['seed']}, this run has "
-                f"--seed {self.config.seed}: the data order would change mid-run. Resume with --seed "
-                f"{meta['seed']}, or start a new --checkpoint-dir"
+                f"the checkpoint at step {meta['step']} was trained with {setting('seed', meta['seed'])}, this run "
+                f"has {setting('seed', self.config.seed)}: the data order would change mid-run. Resume with "
+                f"{setting('seed', meta['seed'])}, or start a new {setting('checkpoint_dir')}"
             )
         saved_seq = meta.get("plan", {}).get("seq_len")
         if saved_seq is not None and saved_seq != self.config.seq_len:
             raise JaxmemError(
-                f"the checkpoint at step {meta['step']} was trained with --seq-len {saved_seq}, this run has "
-                f"--seq-len {self.config.seq_len}: a sample number names a window of that many tokens, so "
-                f"resuming would repeat some text and skip other. Resume with --seq-len {saved_seq}, or "
-                "start a new --checkpoint-dir (export the weights first with jaxmem export)"
+                f"the checkpoint at step {meta['step']} was trained with {setting('seq_len', saved_seq)}, this "
+                f"run has {setting('seq_len', self.config.seq_len)}: a sample number names a window of that many "
+                f"tokens, so resuming would repeat some text and skip other. Resume with "
+                f"{setting('seq_len', saved_seq)}, or start a new {setting('checkpoint_dir')} (export the weights "
+                "first with jaxmem export)"
             )
 
         if meta["data"].get("order") != ORDER:
             raise JaxmemError(
                 f"the checkpoint at step {meta['step']} was written by a jaxmem with another data order "
                 f"({meta['data'].get('order') or 'numpy permutation'}, now {ORDER}); resuming would not see every "
-                "sample exactly once. Start a new --checkpoint-dir (export the weights first with jaxmem export)"
+                f"sample exactly once. Start a new {setting('checkpoint_dir')} (export the weights first with "
+                "jaxmem export)"
             )
         saved = meta["data"].get("fingerprint")
         data = self.data_iterator(seed=meta["data"]["seed"], position=meta["data"]["position"])
@@ -347,7 +353,8 @@ class Trainer:
             raise JaxmemError(
                 f"the checkpoint was trained on other data ({saved or 'the embedded corpus'}) than this run's "
                 f"({current or 'the embedded corpus'}): the files or the tokenizer changed. Resuming would break "
-                "exactly-once; pass the same --data and --tokenizer, or start a new --checkpoint-dir"
+                f"exactly-once; give the same {setting('data')} and {setting('tokenizer')}, or start a new "
+                f"{setting('checkpoint_dir')}"
             )
         return data
 
