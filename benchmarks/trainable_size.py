@@ -31,6 +31,15 @@ METHODS = [
     ("1F1B", "1f1b", None, "save-all"),
     ("1F1B + full recompute", "1f1b", None, "recompute-all"),
     ("1F1B + selective", "1f1b", None, "selective"),
+    # The same baselines with the Adam moments and master weights' optimizer state on host (Chronos-
+    # Offload's state move, given to them too so that the comparison stays fair, issue 30).
+    (
+        "1F1B + full recompute + opt-state on host",
+        "1f1b",
+        None,
+        {"base": "recompute-all", "offload_optimizer_state": True},
+    ),
+    ("1F1B + selective + opt-state on host", "1f1b", None, {"base": "selective", "offload_optimizer_state": True}),
     ("1F1B + Chronos-Recomp", "1f1b", None, "chronos-recomp"),
     ("interleaved-1F1B", "interleaved-1f1b", 2, "save-all"),
     ("ZB-H1", "zb-h1", None, "save-all"),
@@ -301,7 +310,14 @@ def main(argv=None):
         },
         "same_depth": same_depth,
         "chronos_over_baselines_at_its_depth": {
-            name: over(name) for name in ("1F1B + full recompute", "1F1B + selective", "1F1B + Chronos-Recomp")
+            name: over(name)
+            for name in (
+                "1F1B + full recompute",
+                "1F1B + full recompute + opt-state on host",
+                "1F1B + selective",
+                "1F1B + selective + opt-state on host",
+                "1F1B + Chronos-Recomp",
+            )
         },
         "depth_ratios_vs_1f1b": {
             r["name"]: (r["max_layers"] / one["max_layers"] if one["max_layers"] else None) for r in results

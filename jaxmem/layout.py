@@ -130,10 +130,6 @@ class Layout:
     arena: int
     peak_live: int
 
-    @property
-    def fragmentation(self) -> int:
-        return self.arena - self.peak_live
-
 
 def check_layout(items, offsets: dict) -> None:
     """Raise ValueError if two tensors alive at the same time overlap in the arena."""

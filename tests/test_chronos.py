@@ -299,7 +299,7 @@ def test_train_plan_auto_infeasible_is_a_clear_error(capsys):
     assert code == 2 and "smallest plan needs" in err and "--budget" in err
     assert (out + err).count("nothing fits") == 1  # said once, not also by the search's explanation
     # The budget it suggests is enough: rounded up, not to the nearest.
-    suggested = float(re.search(r"pass --budget ([0-9.]+)MiB", err).group(1)) * 2**20
+    suggested = float(re.search(r"give --budget ([0-9.]+)MiB", err).group(1)) * 2**20
     with pytest.raises(SearchError) as info:
         apply_plan(TrainConfig(plan="auto", budget=2**21, batch_size=256), log=lambda line: None)
     assert info.value.smallest_budget <= suggested

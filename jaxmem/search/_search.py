@@ -214,7 +214,7 @@ def _divisors(n: int) -> list[int]:
 def evaluate(
     model,
     schedule,
-    policy_name: str,
+    policy_name,
     *,
     budget: float,
     batch: int,
@@ -227,8 +227,9 @@ def evaluate(
     zero: bool = True,
     vocab_parallel: bool | None = None,
 ) -> Candidate:
-    """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``chronos-*`` policies are
-    generated for the budget first (Chronos-Recomp/Offload). ``fsdp``, ``tensor``, ``zero``,
+    """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``policy_name``: a
+    ``chronos-*`` name, generated for the budget first (Chronos-Recomp/Offload), or any spec
+    :func:`~jaxmem.policy.from_spec` takes. ``fsdp``, ``tensor``, ``zero``,
     ``vocab_parallel``: how the state and the math are cut (:class:`~jaxmem.pipeline.Pipeline`)."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
@@ -257,7 +258,7 @@ def evaluate(
         return estimate(model, schedule, policy, hardware=hardware, **layout)
 
     note = ""
-    if policy_name in CHRONOS_MOVES:
+    if isinstance(policy_name, str) and policy_name in CHRONOS_MOVES:
         last = schedule.num_stages - 1
         save_all = PRESETS["save-all"].bind(model.tags)
         base = run("save-all")

@@ -620,10 +620,6 @@ class Checkpointer:
         _sync("jaxmem-checkpoint-set-aside")  # ... and every process sees them moved
         self.manager.reload()
 
-    def restore_params(self, step: int | None = None) -> Restored:
-        """The parameters of a step on one device (see :func:`read_params`)."""
-        return read_params(self.directory, step)
-
 
 def read_params(directory, step: int | None = None) -> Restored:
     """The saved parameters and metadata of the latest (or given) step of a checkpoint directory, read

@@ -70,7 +70,7 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
         need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit
         raise SearchError(
             f"nothing fits a budget of {human_bytes(config.budget)} per device on {devices} devices; the "
-            f"smallest plan needs {need} ({setting('budget', need)} or more, or more devices)",
+            f"smallest plan needs {need} (give {setting('budget', need)} or more, or more devices)",
             result.smallest_budget,
         )
     trainers = {}  # the last candidate compiled: the pick, when it fits
@@ -96,7 +96,7 @@ def planned_config(config: TrainConfig, best, devices: int) -> TrainConfig:
         plan=None,
         schedule=best.schedule,
         schedule_csv=None,
-        stages=best.pipe,
+        pipe=best.pipe,
         data_parallel=best.data,
         fsdp=best.fsdp,
         tensor=best.tensor,
