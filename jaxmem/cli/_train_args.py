@@ -63,7 +63,12 @@ def add_arguments(p) -> None:
     g.add_argument("--schedule", help="schedule name (default 1f1b; see `jaxmem schedule list`)")
     g.add_argument("--csv", dest="schedule_csv", metavar="FILE", help="run a schedule table from a CSV")
     g.add_argument(
-        "--pipe", "--stages", dest="pipe", type=int, help="pipe ranks P (default 4; --stages is its older name)"
+        "--pipe",
+        "--stages",
+        dest="pipe",
+        metavar="P",
+        type=int,
+        help="pipe ranks P (default 4; --stages is its older name)",
     )
     g.add_argument("--microbatches", type=int, help="microbatches per step M (default 8)")
     g.add_argument("--virtual", type=int, help="stages per rank for interleaved-1f1b")

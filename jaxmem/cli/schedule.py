@@ -28,7 +28,14 @@ with V stages per rank each costs 1/V of that (equal-model comparison)."""
 def _add_source(p: argparse.ArgumentParser, csv_ok: bool = True) -> None:
     p.add_argument("name", nargs="?", help="schedule name (see `jaxmem schedule list`)")
     p.add_argument(
-        "--pipe", "--stages", "-p", dest="pipe", type=positive_int, default=4, help="pipe ranks P (default 4)"
+        "--pipe",
+        "--stages",
+        "-p",
+        dest="pipe",
+        metavar="P",
+        type=positive_int,
+        default=4,
+        help="pipe ranks P (default 4)",
     )
     p.add_argument("--microbatches", "-m", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", "-v", type=positive_int, default=None, help="stages per rank V (interleaved-1f1b)")

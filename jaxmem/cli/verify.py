@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     add_attention_argument(p)
     p.add_argument("--schedule", help="schedule name (see `jaxmem schedule list`)")
     p.add_argument("--csv", metavar="FILE", help="a schedule table instead of a name")
-    p.add_argument("--pipe", "--stages", dest="pipe", type=positive_int, help="pipe ranks P (default 4)")
+    p.add_argument("--pipe", "--stages", dest="pipe", metavar="P", type=positive_int, help="pipe ranks P (default 4)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches M (default 8)")
     p.add_argument("--virtual", type=positive_int, help="stages per rank for interleaved-1f1b")
     add_mesh_arguments(p)
