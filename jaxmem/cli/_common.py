@@ -121,17 +121,26 @@ def add_mesh_arguments(p) -> None:
     )
 
 
+def mesh_settings(mesh: str, args) -> dict[str, int]:
+    """A ``--mesh`` text as the settings it sets (``data_parallel``, ``fsdp``, ``pipe``, ``tensor``),
+    refusing one that ``args`` also sets by its own flag."""
+    from jaxmem.cli._flags import flag
+    from jaxmem.config import MESH_FIELDS, parse_mesh
+
+    sizes = {}
+    for name, size in parse_mesh(mesh).items():
+        field = MESH_FIELDS[name]
+        if getattr(args, field, None) is not None:
+            raise JaxmemError(f"--mesh sets {name}; drop {flag(field)} (or --mesh)")
+        sizes[field] = size
+    return sizes
+
+
 def resolve_mesh(args, pipe: int = 4) -> None:
     """Fold ``--mesh`` into ``args.data_parallel``, ``args.fsdp``, ``args.pipe`` and ``args.tensor`` (refusing a flag
     that says the same twice) and fill the defaults (``pipe`` ranks)."""
-    from jaxmem.config import MESH_FIELDS, parse_mesh
-
     if getattr(args, "mesh", None):
-        for name, size in parse_mesh(args.mesh).items():
-            field = MESH_FIELDS[name]
-            given = getattr(args, field, None)
-            if given is not None:
-                raise JaxmemError(f"--mesh sets {name}; drop --{field.replace('_', '-')} (or --mesh)")
+        for field, size in mesh_settings(args.mesh, args).items():
             setattr(args, field, size)
     args.data_parallel = args.data_parallel or 1
     args.fsdp = args.fsdp or 1

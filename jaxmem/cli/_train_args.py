@@ -7,8 +7,9 @@ The library names its settings by field (``warmup_steps``); here they become fla
 from __future__ import annotations
 
 from jaxmem._errors import JaxmemError
+from jaxmem.cli._common import mesh_settings
 from jaxmem.cli._flags import flag
-from jaxmem.config import MESH_FIELDS, TrainConfig, config_from, load_settings, parse_mesh
+from jaxmem.config import TrainConfig, config_from, load_settings
 
 __all__ = ["add_arguments", "from_args", "parse_train_args"]
 
@@ -184,11 +185,7 @@ def from_args(args, *, defaults=None, overrides=None) -> TrainConfig:
             values[name] = flag_value
     mesh = values.pop("mesh", None) or getattr(args, "mesh", None)
     if mesh:
-        for name, size in parse_mesh(mesh).items():
-            field = MESH_FIELDS[name]
-            if getattr(args, field, None) is not None:
-                raise JaxmemError(f"--mesh sets {name}; drop {flag(field)} (or --mesh)")
-            values[field] = size
+        values.update(mesh_settings(mesh, args))
     if values.get("schedule_csv") and values.get("schedule") is not None:
         raise JaxmemError("--csv runs the schedule in its table; drop --schedule (or --csv)")
     if values.get("plan") == "auto":
