@@ -6,6 +6,8 @@ NNX, ``from_nnx``), each unlike the built-in GPT and Llama in what its backward 
 - ``wide``: an MLP-heavy block, feed-forward 8x the width with a squared-ReLU, no attention;
 - ``moe``: attention followed by a top-2-of-4 mixture of experts, dispatched densely (every expert
   runs on every token and the router's weights mix them);
+- ``dense-moe``: layers of two parameter structures, DeepSeek-style: the first quarter ``wide``'s
+  blocks, the rest attention and a top-2-of-8 mixture of experts;
 - ``parallel``: GPT-J-style blocks, attention and MLP side by side from one LayerNorm, rotary
   positions on half the head.
 
@@ -120,15 +122,15 @@ EXPERTS = 4
 
 
 class _MoEBlock(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, experts=EXPERTS):
         self.norm1 = nnx.LayerNorm(D, rngs=rngs)
         self.qkv = nnx.Linear(D, 3 * D, rngs=rngs)
         self.o = nnx.Linear(D, D, rngs=rngs)
         self.norm2 = nnx.LayerNorm(D, rngs=rngs)
-        self.router = nnx.Linear(D, EXPERTS, use_bias=False, rngs=rngs)
+        self.router = nnx.Linear(D, experts, use_bias=False, rngs=rngs)
         init = nnx.initializers.lecun_normal()
-        self.w_in = nnx.Param(init(rngs.params(), (EXPERTS, D, 2 * D)))
-        self.w_out = nnx.Param(init(rngs.params(), (EXPERTS, 2 * D, D)))
+        self.w_in = nnx.Param(init(rngs.params(), (experts, D, 2 * D)))
+        self.w_out = nnx.Param(init(rngs.params(), (experts, 2 * D, D)))
 
     def __call__(self, x):
         b, s, _ = x.shape
@@ -189,10 +191,24 @@ def _embed(m, batch):
     return m.embed(batch["tokens"])
 
 
+# ---------------------------------------------------------------- dense-moe: DeepSeek-style first dense layers
+class _DenseFirst(nnx.Module):
+    """The first quarter of the layers dense (``_WideBlock``), the rest attention and a top-2-of-8
+    mixture of experts: two parameter families."""
+
+    def __init__(self, rngs, layers, dense=None):
+        dense = max(1, layers // 4) if dense is None else dense
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([_WideBlock(rngs) if i < dense else _MoEBlock(rngs, 8) for i in range(layers)])
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.head = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
+
+
 _BUILDERS = {
     "mqa": (_MQA, _scaled_embed, _mqa_head, ("probs", "mlp")),
     "wide": (_Wide, _embed, lambda m, x, batch: token_loss(m.head(x), batch), ("mlp",)),
     "moe": (_MoE, _embed, lambda m, x, batch: token_loss(m.head(m.norm(x)), batch), ("probs", "mlp")),
+    "dense-moe": (_DenseFirst, _embed, lambda m, x, batch: token_loss(m.head(m.norm(x)), batch), ("probs", "mlp")),
     "parallel": (_Parallel, _embed, lambda m, x, batch: token_loss(m.head(m.norm(x)), batch), ("probs", "mlp")),
 }
 FAMILIES = tuple(_BUILDERS)

@@ -665,3 +665,102 @@ def test_layers_that_differ_in_a_static_setting_pipeline_as_written(name):
     assert abs(float(model.plain_loss(params, batch)) - float(same.plain_loss(params, batch))) > 1e-4
     with pytest.raises(JaxmemError, match="layer_kinds must name one of the 2 kind_layers for each of its 4"):
         dataclasses.replace(model, layer_kinds=(0, 2, 0, 1))
+
+
+def test_layers_of_other_parameters_are_stacked_by_family():
+    """Dense and mixture-of-experts layers (DeepSeek-style, ``tests/families.py``'s dense-moe): each
+    parameter family is stacked apart, a stage position holding one stack per family with the most
+    layers of that family any stage holds; the layout goes to the model's tree and back, and to
+    another stage split, exactly (no compile)."""
+    from families import family
+
+    from jaxmem.pipeline import ParamLayout
+
+    model = family("dense-moe", layers=4)
+    assert model.layer_families == (0, 1, 1, 1) and model.family_layers() == [0, 1]
+    pipe = Pipeline(model, generate("1f1b", 2, 4), make_mesh(1, 2))
+    stages = pipe.abstract_params().stages
+    assert len(stages) == 1 and len(stages[0]) == 2  # one position, two families
+    dense, moe = stages[0]
+    assert dense["up"]["kernel"].shape[:2] == (2, 1)  # rank 0 holds the dense layer, rank 1 none
+    assert moe["w_in"].shape[:3] == (2, 2, 8)  # rank 1 holds two expert layers (rank 0 one)
+    params = jax.tree.map(np.asarray, model.init(0))
+    layout = pipe.param_layout
+    assert layout.families == (0, 1, 1, 1) and ParamLayout.from_json(layout.to_json()) == layout
+    back = layout.join(model, *layout.split(model, params, xp=np))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    other = ParamLayout((0, 1, 1, 0), (1, 1, 1, 1), 0, layout.families)  # ZBV's split
+    here, there = layout.split(model, params, xp=np)[0], other.split(model, params, xp=np)[0]
+    for f in range(2):
+        for leaf in range(len(jax.tree.leaves(here[0][f]))):
+            moved = layout.relayout_stage_leaf([jax.tree.leaves(e[f])[leaf] for e in here], other, family=f)
+            for v, entry in enumerate(there):
+                np.testing.assert_array_equal(moved[v], jax.tree.leaves(entry[f])[leaf])
+    with pytest.raises(JaxmemError, match="other parameter families"):
+        ParamLayout((0, 1), (2, 2)).relayout_stage_leaf([here[0][0]["up"]["kernel"]], layout)
+
+
+def test_layers_of_other_parameters_are_split_by_their_flops():
+    """By default the stages of a model of several families balance the layers' FLOPs, not their
+    count: the dense-then-MoE model's MoE layers cost about six dense ones, so at P=2 the first stage
+    takes its two dense layers and three MoE ones; the ledger prices the same split."""
+    from families import family
+
+    from jaxmem.memory import model_facts, predict
+    from jaxmem.pipeline import cost_balanced_layers
+
+    model = family("dense-moe")  # 2 dense, 6 MoE
+    flops = model_facts(model).layer_flops()
+    assert flops[2] > 4 * flops[0] and len(set(flops)) == 2
+    schedule = generate("1f1b", 2, 4)
+    pipe = Pipeline(model, schedule, make_mesh(1, 2))
+    assert pipe.layer_counts == (5, 3)
+    assert max(sum(flops[:5]), sum(flops[5:])) < max(sum(flops[:4]), sum(flops[4:]))
+    ledger = predict(model, schedule, None, batch=8, seq=16)
+    assert ledger.meta["layers_per_stage"] == [5, 3]
+    assert Pipeline(model, schedule, make_mesh(1, 2), layer_counts=(4, 4)).layer_counts == (4, 4)
+    assert cost_balanced_layers([1.0] * 8, 2) == (4, 4)  # alike: by count
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "chronos"])
+def test_layers_of_other_parameters_pipeline_as_written(name):
+    """A dense layer then mixture-of-experts layers of other parameters pipeline without a rewrite:
+    gradients equal jax.grad under two policies (1F1B's first stage holds one layer of each)."""
+    from families import family
+
+    model = family("dense-moe", layers=4)
+    for policy in ("selective", "recompute-all"):
+        result = verify(generate(name, 2, 4), model=model, policy=policy)
+        assert result["ok"] and result["max_rel_diff"] < 1e-5, (policy, result)
+
+
+def test_a_model_of_two_families_trains_and_restores_onto_another_split(tmp_path):
+    """The dense-then-MoE model trains (data 2 x pipe 2), and its checkpoint restores onto ZBV's
+    split (each family re-laid out apart) with equal parameters, and trains on."""
+    from families import family
+
+    from jaxmem.config import TrainConfig
+    from jaxmem.train import Checkpointer, Trainer
+
+    model = family("dense-moe", layers=4)
+    base = dict(model=model, pipe=2, microbatches=4, batch_size=8, seq_len=16, data="synthetic", devices=4)
+    trainer = Trainer(TrainConfig(**base, data_parallel=2))
+    state = trainer.init_state()
+    losses = []
+    for _ in range(3):
+        state, metrics, _ = trainer.step(state)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0], losses
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    ckpt.save(state.step, *trainer.export_state(state))
+    ckpt.close()
+    reference = jax.tree.leaves(trainer.pipeline.to_model_params(state.params))
+    other = Trainer(TrainConfig(**base, schedule="zbv"))
+    assert other.pipeline.param_layout.layer_counts != trainer.pipeline.param_layout.layer_counts
+    restored = Checkpointer(tmp_path / "ckpt").restore(other.restore_target())
+    resumed = other.import_state(restored.state, restored.meta)
+    for a, b in zip(jax.tree.leaves(other.pipeline.to_model_params(resumed.params)), reference, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    resumed, metrics, _ = other.step(resumed)
+    assert np.isfinite(float(metrics["loss"]))

@@ -228,8 +228,13 @@ def step_costs(
     fsdp: int = 1,
     tensor: int = 1,
     master_cut: bool = False,
+    families=None,
 ) -> Costs:
     """Costs for :func:`jaxmem.schedule.simulate`, in seconds on ``hardware``.
+
+    ``layer_counts``: the layers each stage runs; ``families``: per stage, the parameter family of
+    each (:meth:`~jaxmem.memory.ModelFacts.stage_families`), for a model whose layers differ in them.
+    A stage's weights move in proportion to its layers' bytes (units of layer 0's).
 
     F of stage s costs its forward FLOPs; B its backward FLOPs (the forward's twice, plus what the
     policy recomputes); I and W half the plain backward each, plus the recompute (each re-runs what it
@@ -273,6 +278,7 @@ def step_costs(
             first=stage == 0,
             last=stage == last,
             layers=layer_counts[stage],
+            families=families[stage] if families else None,
             policy=policy,
             microbatch=microbatch,
             seq=seq,
@@ -289,6 +295,7 @@ def step_costs(
     shared_bytes = facts.stage_shared_bytes(vocab)
     # What a stage's weights take on a device once gathered over fsdp (its tensor cut stays).
     layer_bytes = facts.layer_bytes
+    units = [facts.units(n, families[s] if families else None) for s, n in enumerate(layer_counts)]
     if tensor > 1:
         cut = facts.static_bytes(ranks, 1, tensor=tensor).stage_params[0]
         layer_bytes *= cut / facts.static_bytes(ranks, 1).stage_params[0]
@@ -303,7 +310,7 @@ def step_costs(
             return 0.0
         # A stage kept gathered (its policy's keep_gathered) gathers its own weights once per step
         # (kept_gather_seconds), not per action.
-        own = 0.0 if resolved.keep_gathered(stage) else layer_counts[stage] * layer_bytes
+        own = 0.0 if resolved.keep_gathered(stage) else units[stage] * layer_bytes
         whole = own + (shared_bytes if stage in (0, last) else 0.0)
         seconds = hardware.collective_seconds("all_gather", whole * copy_ratio, fsdp, ranks * tensor)
         if kind in ("B", "W"):
@@ -372,7 +379,7 @@ def step_costs(
     fetch_fn = None
     if any(on_host):
         shard = facts.static_bytes(ranks, 1, fsdp=fsdp, tensor=tensor).stage_params[0]  # one layer, per device
-        fetch = [layer_counts[s] * shard if on_host[s] else 0.0 for s in range(schedule.num_stages)]
+        fetch = [units[s] * shard if on_host[s] else 0.0 for s in range(schedule.num_stages)]
         fetch_fn = lambda a: fetch[a.stage]  # noqa: E731
     return Costs(
         f=1.0,
@@ -415,14 +422,15 @@ def state_transfer_seconds(
     hardware = get_hardware(hardware)
     one = facts.static_bytes(schedule.num_ranks, 1, data=data_parallel, fsdp=fsdp, tensor=tensor, zero=zero)
     weights, state = one.stage_params[0], optimizer_moments * one.stage_state[0]  # one layer, per device
+    units = facts.stage_units(layer_counts)
 
     def rank_bytes(rank: int) -> float:
         total = 0.0
         for stage in schedule.stages_of(rank):
             if resolved.offload_weights(stage):
-                total += 2 * layer_counts[stage] * weights
+                total += 2 * units[stage] * weights
             if resolved.offload_optimizer_state(stage):
-                total += 2 * layer_counts[stage] * state
+                total += 2 * units[stage] * state
         return total
 
     return max(rank_bytes(r) for r in range(schedule.num_ranks)) / hardware.host_share
@@ -449,7 +457,14 @@ def gradient_sync_seconds(
     hardware = get_hardware(hardware)
     ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
     static = facts.static_bytes(
-        ranks, max(max(layer_counts), 1), virtual, data=data_parallel, fsdp=fsdp, tensor=tensor, zero=True, vocab=vocab
+        ranks,
+        facts.stage_rows(layer_counts),
+        virtual,
+        data=data_parallel,
+        fsdp=fsdp,
+        tensor=tensor,
+        zero=True,
+        vocab=vocab,
     )
 
     def sync(nbytes, copy_ratio, group, stride):
@@ -481,12 +496,13 @@ def kept_gather_seconds(facts, schedule: Schedule, resolved, layer_counts, hardw
     static = facts.static_bytes(ranks, 1, fsdp=1, tensor=tensor)
     layer = static.stage_params[0]  # one layer, whole over fsdp, cut over tensor
     copy = static.stage_copy[0] if master_cut else layer
+    units = facts.stage_units(layer_counts)
 
     def rank_seconds(rank):
         seconds = 0.0
         for stage in schedule.stages_of(rank):
             if resolved.keep_gathered(stage):
-                n = layer_counts[stage]
+                n = units[stage]
                 seconds += hardware.collective_seconds("all_gather", n * copy, fsdp, ranks * tensor)
                 seconds += hardware.collective_seconds("reduce_scatter", n * layer, fsdp, ranks * tensor)
         return seconds
@@ -559,13 +575,13 @@ def estimate(
     from jaxmem.memory._facts import model_facts
     from jaxmem.memory._ledger import master_cut, policy_offloads, predict, uses_vocab_split
     from jaxmem.models import get_model
-    from jaxmem.pipeline import split_layers
+    from jaxmem.pipeline import model_layer_counts
     from jaxmem.policy import resolve
 
     model = get_model(model)
     facts = facts or model_facts(model)
     hardware = get_hardware(hardware)
-    counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
+    counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     resolved = resolve(policy, schedule, model.tags)  # once; the ledger and the costs share it
     ledger = None
     if memory:
@@ -587,7 +603,9 @@ def estimate(
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
     sizes = {"data": data_parallel, "fsdp": fsdp, "tensor": tensor, "zero": zero, "vocab": vocab}
     cut = master_cut(
-        facts.static_bytes(schedule.num_ranks, max(max(counts), 1), schedule.num_stages // schedule.num_ranks, **sizes),
+        facts.static_bytes(
+            schedule.num_ranks, facts.stage_rows(counts), schedule.num_stages // schedule.num_ranks, **sizes
+        ),
         zero=zero,
         data=data_parallel,
         fsdp=fsdp,
@@ -610,6 +628,7 @@ def estimate(
         fsdp=fsdp,
         tensor=tensor,
         master_cut=cut,
+        families=facts.stage_families(counts, drop_layers) if facts.families is not None else None,
     )
     simulation = simulate(schedule, costs)
     transfers = state_transfer_seconds(

@@ -166,9 +166,18 @@ class ModelFacts:
         self.source = "analytic" if self.gpt is not None else "traced"
         abstract = model.abstract_params()
         layers, shared = model.split(abstract)
-        self._layer = layers[0]
+        # Layers of several parameter families (dense and mixture-of-experts): one of each stands for
+        # its family, a stage is described by its layers' families (a model of one: all 0).
+        self.families = model.layer_families
+        self._family_layer = [layers[i] for i in model.family_layers()]
+        self._layer = self._family_layer[0]
         self._shared = shared
         self.layer_bytes = tree_bytes(layers[0])
+        # Each layer's parameter bytes in units of layer 0's: what the time model scales its one-layer
+        # figures by (transfers and gathers of a stage's weights).
+        sizes = [tree_bytes(layer) for layer in self._family_layer]
+        self._family_units = tuple(size / sizes[0] if sizes[0] else 1.0 for size in sizes)
+        self._units = tuple(self._family_units[f] for f in (self.families or (0,) * model.n_layers))
         self.shared_bytes = tree_bytes(shared)
         self.param_itemsize = max(np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract))
         self._cache: dict = {}
@@ -201,6 +210,50 @@ class ModelFacts:
     def message_bytes(self, microbatch: int, seq: int) -> int:
         return tree_bytes(self.message(microbatch, seq))
 
+    def stage_families(self, layer_counts, drop_layers=frozenset()) -> list[tuple[int, ...] | None]:
+        """Per stage, the parameter family of each layer it runs (``drop_layers``, global indices,
+        skipped); None for every stage of a model of one family."""
+        starts = np.cumsum((0, *layer_counts))
+        if self.families is None:
+            return [None] * len(layer_counts)
+        return [
+            tuple(self.families[i] for i in range(a, b) if i not in drop_layers)
+            for a, b in zip(starts[:-1], starts[1:])
+        ]
+
+    def stage_units(self, layer_counts) -> list[float]:
+        """Per stage, its layers' parameter bytes in units of layer 0's (its layer count when the
+        layers are alike)."""
+        starts = np.cumsum((0, *layer_counts))
+        return [float(sum(self._units[a:b])) for a, b in zip(starts[:-1], starts[1:])]
+
+    def units(self, layers: int, families: tuple[int, ...] | None = None) -> float:
+        """``layers`` layers' parameter bytes in units of layer 0's, their ``families`` given for a
+        model of several."""
+        return float(layers) if families is None else float(sum(self._family_units[f] for f in families))
+
+    def layer_flops(self, seq: int | None = None) -> list[float]:
+        """Per layer, the FLOPs of its forward and backward for one sequence (``seq``: the model's
+        longest up to 512 by default), a one-layer middle stage of its family under save-all, read
+        from the lowered programs (never compiled): what a split by cost balances."""
+        from jaxmem.policy import PRESETS
+
+        seq = seq or min(self.model.max_seq_len or 512, 512)
+        policy = PRESETS["save-all"].bind(self.model.tags)
+        per_family = []
+        for f in range(len(self._family_layer)):
+            plan, stage, x = self._traced_plan(False, False, (f,), policy, seq)
+            per_family.append(sum(self._flops(plan, stage, x, seq)))
+        return [per_family[f] for f in (self.families or (0,) * self.model.n_layers)]
+
+    def stage_rows(self, layer_counts):
+        """The rows a pipeline stacks for its stages (``static_bytes``'s ``layers``): the most layers any
+        stage holds, or per parameter family the most of that family any stage holds."""
+        if self.families is None:
+            return max(max(layer_counts), 1)
+        per_stage = self.stage_families(layer_counts)
+        return tuple(max(f_s.count(f) for f_s in per_stage) for f in range(len(self._family_layer)))
+
     def static_bytes(
         self,
         ranks: int,
@@ -216,20 +269,26 @@ class ModelFacts:
         """Per-device static bytes of the pipeline layout: ``ranks`` pipe ranks holding ``virtual``
         stages of (at most) ``layers`` layers each, on a ``data x fsdp x ranks x tensor`` mesh
         (``vocab``: the vocabulary tables split over the ranks; they count with the shared
-        parameters; ``tensor`` cuts the dimensions the model's annotations name)."""
+        parameters; ``tensor`` cuts the dimensions the model's annotations name). For layers of
+        several parameter families, ``layers`` is a tuple: the rows stacked of each family
+        (:meth:`stage_rows`); an int is then that many layers of layer 0's family (a one-layer unit)."""
         key = ("static", ranks, layers, virtual, data, fsdp, tensor, zero, vocab)
         if key not in self._cache:
             import jax
 
             from jaxmem.pipeline import PipelineParams, layout_axes, placement_of, split_vocab
 
-            stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, layers, *a.shape), a.dtype), self._layer)
+            copy_layers, copy_shared = self._compute_copy(vocab, ranks)
+            stage = _stacked(self._family_layer, layers, ranks)
+            copy_stage = _stacked(copy_layers, layers, ranks)
             shared, tables = self._shared, {}
             if vocab:
                 shared, tables = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, ranks), self._shared)
             abstract = PipelineParams(stages=(stage,), shared=shared, vocab=tables)
             sizes = {"data": data, "fsdp": fsdp, "pipe": ranks, "tensor": tensor}
             axes = layout_axes(self.model, 1, vocab) if tensor > 1 else None
+            if axes is not None and self.families is not None and isinstance(layers, int):
+                axes = PipelineParams(stages=(axes.stages[0][0],), shared=axes.shared, vocab=axes.vocab)
             placement = placement_of(abstract, sizes, zero=zero, axes=axes)
 
             def per_device(tree, places, which, sizes=sizes):
@@ -240,8 +299,6 @@ class ModelFacts:
                     )
                 )
 
-            copy_layer, copy_shared = self._compute_copy(vocab, ranks)
-            copy_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, layers, *a.shape), a.dtype), copy_layer)
             # What a running stage holds once gathered over fsdp (still cut over tensor), beyond its shard.
             unsharded = {**sizes, "fsdp": 1}
 
@@ -268,8 +325,9 @@ class ModelFacts:
         return self._cache[key]
 
     def _compute_copy(self, vocab: bool, ranks: int):
-        """One layer and the shared parameters (a PipelineParams without stages, the tables split
-        over ``ranks`` when ``vocab``) as the stages read them: cast where the model casts them."""
+        """One layer of each family and the shared parameters (a PipelineParams without stages, the
+        tables split over ``ranks`` when ``vocab``) as the stages read them: cast where the model
+        casts them."""
         import jax
 
         from jaxmem.pipeline import PipelineParams, compute_model_abstract, narrow_vocab, split_vocab
@@ -280,7 +338,7 @@ class ModelFacts:
         if vocab:
             shared, tables = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, ranks), shared)
         out = narrow_vocab(PipelineParams(stages=(), shared=shared, vocab=tables), self.model.vocab if vocab else None)
-        return layers[0], out
+        return [layers[i] for i in self.model.family_layers()], out
 
     def whole(self, microbatch: int, seq: int) -> StageFacts:
         """The whole model as one stage under save-all (nothing recomputed): a plain step's facts."""
@@ -288,18 +346,35 @@ class ModelFacts:
 
         policy = PRESETS["save-all"].bind(self.model.tags)
         return self.stage(
-            first=True, last=True, layers=self.model.n_layers, policy=policy, microbatch=microbatch, seq=seq
+            first=True,
+            last=True,
+            layers=self.model.n_layers,
+            policy=policy,
+            microbatch=microbatch,
+            seq=seq,
+            families=self.families,
         )
 
     # ------------------------------------------------------------------ stages
     def stage(
-        self, *, first: bool, last: bool, layers: int, policy, microbatch: int, seq: int, vocab: bool = False
+        self,
+        *,
+        first: bool,
+        last: bool,
+        layers: int,
+        policy,
+        microbatch: int,
+        seq: int,
+        vocab: bool = False,
+        families: tuple[int, ...] | None = None,
     ) -> StageFacts:
         """Facts of one stage-microbatch (``policy``: a bound stage policy; ``vocab``: the vocabulary is
         split over the ranks, so the first stage starts from its looked-up rows and the last ends before
-        the head's projection, see :meth:`vocab_flops`)."""
+        the head's projection, see :meth:`vocab_flops`). ``families``: the parameter family of each
+        of its ``layers`` (:meth:`stage_families`), for a model whose layers differ in them."""
         policy = _stage_only(policy)
         vocab = bool(vocab) and (first or last)
+        fams = self._fams(layers, families)
         k = min(policy.recompute_layers, layers)
         if k:
             # The first k layers recomputed whole (jaxmem.pipeline.stage_forward): each is a one-layer
@@ -309,29 +384,84 @@ class ModelFacts:
             # recomputed -- XLA:CPU runs the repeats ahead of the backward and holds their values (the
             # compiled tiny GPT step, 4 layers a stage, k = 1..4, selective and save-all: within 4.5%).
             base = dataclasses.replace(policy, recompute_layers=0)
-            rest = self._per_sequence(first, last, layers - k, base, seq, vocab)
-            one = self._per_sequence(False, False, 1, policy.whole_layer(), seq)
-            working = max(rest.working_bytes, one.working_bytes) + (k - 1) * one.working_bytes
-            return dataclasses.replace(rest.combine(one, 1, k), working_bytes=working).scaled(microbatch)
-        per_sequence = self._per_sequence(first, last, layers, policy, seq, vocab)
+            rest = self._per_sequence(first, last, fams[k:], base, seq, vocab)
+            ones = [self._per_sequence(False, False, (f,), policy.whole_layer(), seq) for f in fams[:k]]
+            facts = rest
+            for one in ones:
+                facts = facts.combine(one, 1, 1)
+            largest = max(one.working_bytes for one in ones)
+            working = max(rest.working_bytes, largest) + sum(one.working_bytes for one in ones) - largest
+            return dataclasses.replace(facts, working_bytes=working).scaled(microbatch)
+        per_sequence = self._per_sequence(first, last, fams, policy, seq, vocab)
         return per_sequence.scaled(microbatch)
 
-    def _per_sequence(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
-        key = ("stage", first, last, layers, policy, seq, vocab)
+    def _fams(self, layers: int, families) -> tuple[int, ...]:
+        """A stage's layers as the facts describe them: the family of each (all 0 when alike)."""
+        if self.families is None:
+            return (0,) * layers
+        if families is None or len(families) != layers:
+            from jaxmem._errors import JaxmemError
+
+            raise JaxmemError(
+                f"model {self.model.name}: its layers hold parameters of {len(self._family_layer)} families; "
+                f"a stage's facts need the family of each of its {layers} layers (families=), got {families!r}"
+            )
+        return tuple(families)
+
+    def _per_sequence(self, first, last, fams, policy, seq, vocab=False) -> StageFacts:
+        key = ("stage", first, last, fams, policy, seq, vocab)
         if key in self._cache:
             return self._cache[key]
         if self.gpt is not None:
-            facts = self._analytic(first, last, layers, policy, seq, vocab)
-            facts = dataclasses.replace(facts, working_bytes=self._working(first, last, layers, policy, seq, vocab))
-        elif layers <= 2:
-            facts = self._traced(first, last, layers, policy, seq, vocab)
+            facts = self._analytic(first, last, len(fams), policy, seq, vocab)
+            facts = dataclasses.replace(facts, working_bytes=self._working(first, last, fams, policy, seq, vocab))
+        elif len(fams) <= 2:
+            facts = self._traced(first, last, fams, policy, seq, vocab)
         else:
-            # Identical layers: each adds what the second added to the first.
-            one = self._per_sequence(first, last, 1, policy, seq, vocab)
-            two = self._per_sequence(first, last, 2, policy, seq, vocab)
-            facts = two.combine(one, layers - 1, -(layers - 2))
+            # Each further layer adds what a second layer of its family adds to a first (identical
+            # layers: what the second added to the first).
+            facts = self._per_sequence(first, last, fams[:1], policy, seq, vocab)
+            for f in fams[1:]:
+                one = self._per_sequence(first, last, (f,), policy, seq, vocab)
+                two = self._per_sequence(first, last, (f, f), policy, seq, vocab)
+                facts = facts.combine(two, 1, 1).combine(one, 1, -1)
+            facts = dataclasses.replace(facts, working_bytes=self._working(first, last, fams, policy, seq, vocab))
         self._cache[key] = facts
         return facts
+
+    def _stage_params(self, fams: tuple[int, ...], lead=()):
+        """A stage's parameters, abstract, as a pipeline stacks them for a stage of layers of
+        ``fams`` (at least one row of each family; ``lead``: dimensions before the layer axis)."""
+        import jax
+
+        def stacked(layer, rows):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*lead, max(rows, 1), *a.shape), a.dtype), layer)
+
+        if self.families is None:
+            return stacked(self._layer, len(fams))
+        return tuple(stacked(layer, fams.count(f)) for f, layer in enumerate(self._family_layer))
+
+    def _stage_fn(self, first, last, fams, policy, vocab):
+        """The stage function of a stage of layers of ``fams`` (each layer of a family run as that
+        family's first layer's kind)."""
+        from jaxmem.pipeline import stage_forward
+
+        families, kinds = (), ()
+        if self.families is not None:
+            families = fams
+            if self.model.layer_kinds is not None:
+                firsts = self.model.family_layers()
+                kinds = tuple(self.model.layer_kinds[firsts[f]] for f in fams)
+        return stage_forward(
+            self.model,
+            first=first,
+            last=last,
+            layers=len(fams),
+            vocab=vocab,
+            policy=policy,
+            families=families,
+            kinds=kinds,
+        )
 
     # ------------------------------------------------------------------ the vocabulary split over the ranks
     def vocab_shape(self) -> tuple[int, int]:
@@ -395,15 +525,13 @@ class ModelFacts:
             self._cache[key] = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, 1)[0], self._shared)
         return self._cache[key]
 
-    def _traced_plan(self, first, last, layers, policy, seq, vocab=False):
-        import jax
+    def _traced_plan(self, first, last, fams, policy, seq, vocab=False):
+        from jaxmem.pipeline import analyze_stage
 
-        from jaxmem.pipeline import analyze_stage, stage_forward
-
-        key = ("plan", first, last, layers, policy, seq, vocab)
+        key = ("plan", first, last, fams, policy, seq, vocab)
         if key not in self._cache:
-            fn = stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab, policy=policy)
-            stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
+            fn = self._stage_fn(first, last, fams, policy, vocab)
+            stage = self._stage_params(fams)
             x = self.message(1, seq)
             shared = self._stage_shared(vocab)
             plan = analyze_stage(fn, stage, shared, x, self.batch(1, seq), stash_to_host=policy.offload_stash)
@@ -436,7 +564,8 @@ class ModelFacts:
 
         from jaxmem.pipeline import analyze_cut
 
-        plan, stage, _ = self._traced_plan(False, False, 1, policy, seq)
+        plan, stage, _ = self._traced_plan(False, False, (0,), policy, seq)
+        stage = stage if self.families is None else stage[0]  # a layer of layer 0's family
         layer_axes = self.model.split(self.model.axes)[0][0]
         dims = [
             _tensor_dim(a.shape, ax, 1, tensor)
@@ -447,12 +576,12 @@ class ModelFacts:
         stashed = [v for v, src in zip(outs, plan.sources) if src[0] == "stash"]
         return analyze_cut(plan.closed, dims, stashed)[1]
 
-    def _traced(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
+    def _traced(self, first, last, fams, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.policy import PRESETS
 
-        plan, stage, x = self._traced_plan(first, last, layers, policy, seq, vocab)
+        plan, stage, x = self._traced_plan(first, last, fams, policy, seq, vocab)
         save_all = PRESETS["save-all"].bind(self.model.tags)
-        full_plan = plan if policy == save_all else self._traced_plan(first, last, layers, save_all, seq, vocab)[0]
+        full_plan = plan if policy == save_all else self._traced_plan(first, last, fams, save_all, seq, vocab)[0]
         forward, backward = self._flops(plan, stage, x, seq, vocab)
         full_backward = backward if full_plan is plan else self._flops(full_plan, stage, x, seq, vocab)[1]
         return StageFacts(
@@ -461,10 +590,10 @@ class ModelFacts:
             forward,
             backward,
             max(backward - full_backward, 0.0),
-            self._working(first, last, layers, policy, seq, vocab),
+            self._working(first, last, fams, policy, seq, vocab),
         )
 
-    def _working(self, first, last, layers, policy, seq, vocab=False, tensor=1) -> float | None:
+    def _working(self, first, last, fams, policy, seq, vocab=False, tensor=1) -> float | None:
         """Per sequence (and device): the temporaries of the stage's pullback compiled alone, at
         ``WORKSET_MICROBATCH`` sequences (a microbatch of one lays some buffers out apart); more
         than two layers are extrapolated from one and two, as the other facts are. With ``tensor``
@@ -473,16 +602,21 @@ class ModelFacts:
         # where the stash lives does not change its temporaries (equal on every preset, tiny GPT and
         # Llama), so the offloaded variants share the compile.
         policy = dataclasses.replace(_stage_only(policy), offload_stash=False)
-        if layers > 2:
-            one = self._working(first, last, 1, policy, seq, vocab, tensor)
-            two = self._working(first, last, 2, policy, seq, vocab, tensor)
-            return None if one is None else max(two + (layers - 2) * (two - one), two)
-        key = ("working", first, last, layers, policy, seq, vocab, tensor)
+        if len(fams) > 2:
+            # Per family, a layer adds what a second adds to a first (inc), on a base (2 one - two):
+            # identical layers give two + (n - 2) (two - one).
+            one = {f: self._working(first, last, (f,), policy, seq, vocab, tensor) for f in set(fams)}
+            two = {f: self._working(first, last, (f, f), policy, seq, vocab, tensor) for f in set(fams)}
+            if any(v is None for v in one.values()):
+                return None
+            base = max(2 * one[f] - two[f] for f in one)
+            return max(base + sum(two[f] - one[f] for f in fams), max(two.values()))
+        key = ("working", first, last, fams, policy, seq, vocab, tensor)
         cache = self._cache if self._depthless is None else _WORKING.setdefault(self._depthless, {})
         if key not in cache:
             import jax
 
-            from jaxmem.pipeline import analyze_stage, stage_forward
+            from jaxmem.pipeline import analyze_stage
 
             mesh = None
             if tensor > 1:
@@ -491,8 +625,8 @@ class ModelFacts:
                     return None
                 mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
             mb = WORKSET_MICROBATCH
-            fn = stage_forward(self.model, first=first, last=last, layers=layers, vocab=vocab, policy=policy)
-            stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers, 1), *a.shape), a.dtype), self._layer)
+            fn = self._stage_fn(first, last, fams, policy, vocab)
+            stage = self._stage_params(fams)
             x, batch, shared = self.message(mb, seq), self.batch(mb, seq), self._stage_shared(vocab)
             plan = analyze_stage(fn, stage, shared, x, batch, stash_to_host=policy.offload_stash)
             if mesh is not None:
@@ -501,7 +635,9 @@ class ModelFacts:
             cache[key] = float(compiled.memory_analysis().temp_size_in_bytes) / mb
         return cache[key]
 
-    def tensor_working(self, *, first, last, layers, policy, microbatch, seq, vocab=False, tensor=1) -> float | None:
+    def tensor_working(
+        self, *, first, last, layers, policy, microbatch, seq, vocab=False, tensor=1, families=None
+    ) -> float | None:
         """Per device, the working set of :class:`StageFacts` for one stage-microbatch with the
         parameters cut over ``tensor`` devices as the model's annotations say: the pullback compiled
         on a mesh of local devices and left to XLA's partitioner, as the executor leaves it. None when
@@ -509,7 +645,8 @@ class ModelFacts:
         models the cut)."""
         if tensor <= 1 or self.model.axes is None or self._cpu_emulates_16_bits(seq) or policy.recompute_layers:
             return None  # (a stage that recomputes layers apart is composed of parts: modelled)
-        per = self._working(first, last, layers, policy, seq, bool(vocab) and (first or last), tensor)
+        fams = self._fams(layers, families)
+        per = self._working(first, last, fams, policy, seq, bool(vocab) and (first or last), tensor)
         return None if per is None else per * microbatch
 
     def _cpu_emulates_16_bits(self, seq: int) -> bool:
@@ -544,7 +681,14 @@ class ModelFacts:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
 
         # A stage leaf leads with its layers; the shared leaves as the pipeline holds them (tables out).
-        stage = jax.tree.map(lambda a, ax: placed(a, ax, 1), stage, self.model.split(self.model.axes)[0][0])
+        layer_axes = self.model.split(self.model.axes)[0]
+        if self.families is None:
+            stage = jax.tree.map(lambda a, ax: placed(a, ax, 1), stage, layer_axes[0])
+        else:
+            firsts = self.model.family_layers()
+            stage = tuple(
+                jax.tree.map(lambda a, ax: placed(a, ax, 1), tree, layer_axes[i]) for tree, i in zip(stage, firsts)
+            )
         shared = jax.tree.map(lambda a, ax: placed(a, ax, 0), shared, layout_axes(self.model, 1, vocab).shared)
         return stage, shared
 
@@ -558,6 +702,19 @@ class ModelFacts:
         flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
         return forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
+
+
+def _stacked(family_layers, rows, ranks):
+    """Stage leaves ``[ranks, rows, ...]``: of the first family's layer for an int ``rows``, else a
+    tuple with ``rows[f]`` rows of each family's."""
+    import jax
+
+    def stack(layer, n):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((ranks, n, *a.shape), a.dtype), layer)
+
+    if isinstance(rows, int):
+        return stack(family_layers[0], rows)
+    return tuple(stack(layer, n) for layer, n in zip(family_layers, rows))
 
 
 def _stage_only(policy):

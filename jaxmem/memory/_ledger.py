@@ -140,25 +140,25 @@ def predict(
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
-    from jaxmem.pipeline import cell_classes, split_layers, stash_rows
+    from jaxmem.pipeline import cell_classes, model_layer_counts, stash_rows
 
     model = get_model(model)
     facts = facts or model_facts(model)
     resolved = resolve(policy, schedule, model.tags)
-    counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
+    counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     M = schedule.num_microbatches
     replicas = data_parallel * fsdp
     if batch % (replicas * M):
         raise JaxmemError(f"batch {batch} is not divisible by replicas ({replicas}) x microbatches ({M})")
     mb = batch // (replicas * M)
-    cells = cell_classes(schedule, counts, resolved, drop_layers, model.layer_kinds)
+    cells = cell_classes(schedule, counts, resolved, drop_layers, model.layer_kinds, model.layer_families)
     virtual = schedule.num_stages // schedule.num_ranks
     weights_host = [resolved.offload_weights(schedule.stages_of(0)[v]) for v in range(virtual)]
     opt_host = [resolved.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(virtual)]
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
     static = facts.static_bytes(
         schedule.num_ranks,
-        max(max(counts), 1),
+        facts.stage_rows(counts),
         virtual,
         data=data_parallel,
         fsdp=fsdp,
@@ -188,7 +188,16 @@ def predict(
     class_sizes, working, item = {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]
-        shape = dict(first=c.first, last=c.last, layers=c.layers - len(c.skip), policy=variant, seq=seq, vocab=vocab)
+        families = tuple(f for i, f in enumerate(c.families) if i not in c.skip) if c.families else None
+        shape = dict(
+            first=c.first,
+            last=c.last,
+            layers=c.layers - len(c.skip),
+            policy=variant,
+            seq=seq,
+            vocab=vocab,
+            families=families,
+        )
         stage = facts.stage(**shape, microbatch=mb)
         class_sizes[c] = stash_rows(stage.stash_elems, tensor)
         # The backward's working set, read from the program: the temporaries of the stage's
@@ -233,7 +242,15 @@ def predict(
     transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
     meta = _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source)
-    meta.update({"fsdp": fsdp, "tensor": tensor, "zero": zero and replicas > 1, "vocab_parallel": vocab})
+    meta.update(
+        {
+            "fsdp": fsdp,
+            "tensor": tensor,
+            "zero": zero and replicas > 1,
+            "vocab_parallel": vocab,
+            "layers_per_stage": list(counts),
+        }
+    )
     return Ledger("predicted", ranks, meta)
 
 

@@ -332,7 +332,9 @@ class StagedModel:
         name: shown in reports.
         n_layers: repeated layers (the unit a pipeline stage holds a number of).
         init: ``seed -> params`` in the model's own layout (e.g. ``nnx.to_pure_dict`` of its state).
-        split: ``params -> (layers, shared)``: one tree per layer (all of one structure) and the rest.
+        split: ``params -> (layers, shared)``: one tree per layer and the rest. Layers may hold
+            different parameters (dense and mixture-of-experts layers): each structure is a family
+            (:attr:`layer_families`), run by its own kind (``layer_kinds``).
         join: the inverse of ``split``.
         embed: ``(shared, batch) -> x``: the first stage's prologue; ``x`` is any pytree of floating
             arrays (what one stage sends the next).
@@ -396,6 +398,30 @@ class StagedModel:
     def layer_at(self, index: int) -> Callable:
         """The layer function of global layer ``index``."""
         return self.layer if self.layer_kinds is None else self.layer_of_kind(self.layer_kinds[index])
+
+    @property
+    def layer_families(self) -> tuple[int, ...] | None:
+        """For each layer, which parameter structure it holds (numbered in order of first
+        appearance: dense and mixture-of-experts layers are two families); None when every layer holds
+        the same parameters. A pipeline stacks each family's layers apart (see
+        :class:`~jaxmem.pipeline.ParamLayout`). Read from the abstract parameters, once."""
+        if "_layer_families" not in self.__dict__:
+            layers, _ = self.split(self.abstract_params())
+            signatures: list = []
+            families = []
+            for layer in layers:
+                leaves, treedef = jax.tree.flatten(layer)
+                signature = (treedef, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
+                if signature not in signatures:
+                    signatures.append(signature)
+                families.append(signatures.index(signature))
+            object.__setattr__(self, "_layer_families", tuple(families) if len(signatures) > 1 else None)
+        return self.__dict__["_layer_families"]
+
+    def family_layers(self) -> list[int]:
+        """The first layer of each parameter family (:attr:`layer_families`): ``[0]`` for a model of one."""
+        families = self.layer_families
+        return [0] if families is None else [families.index(f) for f in range(max(families) + 1)]
 
     def __post_init__(self):
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -607,19 +633,13 @@ def from_nnx(
             "without rngs, pass the key jaxmem provides (e.g. call_layer=lambda block, x, batch: block(x, "
             'rngs=batch["rng"])) and say from_nnx(..., rng=True)'
         )
-    # Layers of one parameter structure may differ in their static configuration (a window, a RoPE
-    # base, a flag set in __init__): each distinct graphdef is a kind, run by its own layer function.
+    # Layers may differ in their static configuration (a window, a RoPE base, a flag set in
+    # __init__) and in their parameters (dense and mixture-of-experts layers): each distinct graphdef
+    # is a kind, run by its own layer function (layers of other parameters are also other families,
+    # StagedModel.layer_families, which a pipeline stacks apart).
     layer_graphdefs: list = []
     layer_kinds = []
-    layer_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(layer_modules[0], nnx.Param)))
-    for i, module in enumerate(layer_modules):
-        shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(nnx.state(module, nnx.Param)))
-        if shapes != layer_shapes:
-            raise JaxmemError(
-                f"from_nnx: layer {i} of {layers!r} has other parameters than layer 0 (shapes or structure); "
-                "a pipeline stage stacks its layers' parameters, so every layer must hold the same ones "
-                "(layers that differ only in static settings such as a window are fine)"
-            )
+    for module in layer_modules:
         graphdef_i = nnx.graphdef(module)
         if graphdef_i not in layer_graphdefs:
             layer_graphdefs.append(graphdef_i)

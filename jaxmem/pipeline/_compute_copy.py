@@ -90,6 +90,15 @@ def _targets(jaxpr, var) -> set | None:
     return found
 
 
+def _narrowed(jaxpr, a, var):
+    """``a`` narrowed to the one dtype the jaxpr casts ``var`` to, when that is narrower."""
+    targets = _targets(jaxpr, var)
+    if not targets or len(targets) != 1 or not jnp.issubdtype(a.dtype, jnp.floating):
+        return a
+    (dtype,) = targets
+    return jax.ShapeDtypeStruct(a.shape, dtype) if dtype.itemsize < jnp.dtype(a.dtype).itemsize else a
+
+
 def compute_model_abstract(model, message, micro):
     """The model's abstract parameters with every leaf that may be cast narrowed to its compute dtype
     (the others as they are). ``message``/``micro``: abstract embedding output and microbatch, to
@@ -100,21 +109,22 @@ def compute_model_abstract(model, message, micro):
     if "abstract" in per_model:
         return per_model["abstract"]
     layers, shared = model.split(model.abstract_params())
-    stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype), layers[0])
-    closed = jax.make_jaxpr(stage_forward(model, first=True, last=True, layers=1))(stage, shared, message, micro)
-    leaves = jax.tree.leaves(layers[0]) + jax.tree.leaves(shared)
-
-    def narrowed(a, var):
-        targets = _targets(closed.jaxpr, var)
-        if not targets or len(targets) != 1 or not jnp.issubdtype(a.dtype, jnp.floating):
-            return a
-        (dtype,) = targets
-        return jax.ShapeDtypeStruct(a.shape, dtype) if dtype.itemsize < jnp.dtype(a.dtype).itemsize else a
-
-    found = [narrowed(a, v) for a, v in zip(leaves, closed.jaxpr.invars[: len(leaves)], strict=True)]
-    n_layer = len(jax.tree.leaves(layers[0]))
-    layer = jax.tree.unflatten(jax.tree.structure(layers[0]), found[:n_layer])
-    out = model.join([layer] * model.n_layers, jax.tree.unflatten(jax.tree.structure(shared), found[n_layer:]))
+    narrowed_layers = {}  # per family: its first layer, traced as a one-layer model
+    for index in model.family_layers():
+        layer = layers[index]
+        stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype), layer)
+        kinds = () if model.layer_kinds is None else (model.layer_kinds[index],)
+        fn = stage_forward(model, first=True, last=True, layers=1, kinds=kinds)
+        closed = jax.make_jaxpr(fn)(stage, shared, message, micro)
+        leaves = jax.tree.leaves(layer) + jax.tree.leaves(shared)
+        found = [_narrowed(closed.jaxpr, a, v) for a, v in zip(leaves, closed.jaxpr.invars[: len(leaves)], strict=True)]
+        n_layer = len(jax.tree.leaves(layer))
+        narrowed_layers[index] = jax.tree.unflatten(jax.tree.structure(layer), found[:n_layer])
+        if index == 0:
+            narrowed_shared = jax.tree.unflatten(jax.tree.structure(shared), found[n_layer:])
+    families = model.layer_families or (0,) * model.n_layers
+    firsts = model.family_layers()
+    out = model.join([narrowed_layers[firsts[f]] for f in families], narrowed_shared)
     per_model["abstract"] = out
     return out
 

@@ -41,7 +41,7 @@ from jaxmem.pipeline._placement import (
     placement_of,
 )
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, emitted_tags
-from jaxmem.pipeline._split import ParamLayout, PipelineParams, split_layers, stage_forward
+from jaxmem.pipeline._split import ParamLayout, PipelineParams, model_layer_counts, stage_forward
 from jaxmem.pipeline._ticks import (
     StageClass,
     TickProgram,
@@ -218,7 +218,7 @@ class Pipeline:
         self.model: StagedModel = get_model(model)
         self.schedule = schedule
         self.mesh = mesh
-        self.layer_counts = split_layers(self.model.n_layers, schedule.num_stages, layer_counts)
+        self.layer_counts = model_layer_counts(self.model, schedule.num_stages, layer_counts)
         self.policy: ResolvedPolicy = resolve(policy, schedule, self.model.tags)
         self.virtual = per_rank.pop()
         self.drop_layers = frozenset(drop_layers)
@@ -234,7 +234,12 @@ class Pipeline:
         if bad_drop:
             raise JaxmemError(f"dropped layers {bad_drop} are outside the model's layers 0..{self.model.n_layers - 1}")
         self.cell_classes = cell_classes(
-            schedule, self.layer_counts, self.policy, self.drop_layers, self.model.layer_kinds
+            schedule,
+            self.layer_counts,
+            self.policy,
+            self.drop_layers,
+            self.model.layer_kinds,
+            self.model.layer_families,
         )
         # Weights on host per local position (the policy checked this is consistent across ranks).
         self.weights_on_host = tuple(self.policy.offload_weights(schedule.stages_of(0)[v]) for v in range(self.virtual))
@@ -431,7 +436,10 @@ class Pipeline:
     def param_layout(self) -> ParamLayout:
         """Where this pipeline keeps the model's parameters (what a checkpoint records and restores by)."""
         return ParamLayout(
-            tuple(self.schedule.stage_to_rank), tuple(self.layer_counts), self.pipe if self.vocab is not None else 0
+            tuple(self.schedule.stage_to_rank),
+            tuple(self.layer_counts),
+            self.pipe if self.vocab is not None else 0,
+            self.model.layer_families,
         )
 
     def from_model_params(self, params) -> PipelineParams:
@@ -483,6 +491,7 @@ class Pipeline:
             skip=c.skip,
             vocab=self.vocab is not None,
             kinds=c.kinds,
+            families=c.families,
             policy=self.policy.variants[c.variant] if checkpointed else None,
         )
 

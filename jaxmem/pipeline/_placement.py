@@ -217,7 +217,10 @@ def layout_axes(model, virtual: int, vocab: bool):
     import jax
 
     layers, shared = model.split(model.axes)
-    per_layer = jax.tree.map(lambda a: ParamAxes((None, None, *a.axes), a.unit), layers[0])
+    per_family = [
+        jax.tree.map(lambda a: ParamAxes((None, None, *a.axes), a.unit), layers[i]) for i in model.family_layers()
+    ]
+    per_layer = per_family[0] if model.layer_families is None else tuple(per_family)
     tables = {}
     if vocab:
         for name, path in model.vocab.paths().items():

@@ -18,6 +18,8 @@ __all__ = [
     "ParamLayout",
     "PipelineParams",
     "balanced_layers",
+    "cost_balanced_layers",
+    "model_layer_counts",
     "split_layers",
     "stack_stage_params",
     "stage_forward",
@@ -71,6 +73,52 @@ def split_layers(n_layers: int, n_stages: int, layer_counts: Sequence[int] | Non
     return (n_layers // n_stages,) * n_stages
 
 
+def cost_balanced_layers(costs: Sequence[float], n_stages: int) -> tuple[int, ...]:
+    """Layers per stage, consecutive, that make the costliest stage as cheap as it goes (each stage
+    at least one layer when there are enough); of the splits that do, the one by count
+    (:func:`balanced_layers`) when it is among them.
+
+    >>> cost_balanced_layers([1, 1, 1, 1, 4, 4], 2)
+    (4, 2)
+    >>> cost_balanced_layers([1, 1, 1, 1], 2)
+    (2, 2)
+    """
+    n = len(costs)
+    prefix = np.cumsum((0.0, *costs))
+    least = 1 if n >= n_stages else 0
+    # best[s][i]: the least costliest stage over splits of the first i layers into s stages.
+    best = np.full((n_stages + 1, n + 1), np.inf)
+    cut = np.zeros((n_stages + 1, n + 1), dtype=int)
+    best[0][0] = 0.0
+    for st in range(1, n_stages + 1):
+        for i in range(least, n + 1):
+            j = np.arange(i - least + 1)
+            values = np.maximum(best[st - 1][j], prefix[i] - prefix[j])
+            cut[st][i] = int(np.argmin(values))
+            best[st][i] = values[cut[st][i]]
+    by_count = balanced_layers(n, n_stages)
+    starts = np.cumsum((0, *by_count))
+    if max(prefix[b] - prefix[a] for a, b in zip(starts[:-1], starts[1:])) <= best[n_stages][n] * (1 + 1e-9):
+        return by_count
+    counts, i = [], n
+    for st in range(n_stages, 0, -1):
+        counts.append(int(i - cut[st][i]))
+        i = cut[st][i]
+    return tuple(reversed(counts))
+
+
+def model_layer_counts(model, n_stages: int, layer_counts: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Layers per stage of a :class:`~jaxmem.models.StagedModel`: ``layer_counts`` when given
+    (checked), else balanced -- by count when its layers are alike (:func:`split_layers`), by each
+    layer's FLOPs when they hold parameters of several families (a dense layer beside mixture-of-
+    experts ones: :meth:`~jaxmem.memory.ModelFacts.layer_flops`, :func:`cost_balanced_layers`)."""
+    if layer_counts is not None or model.layer_families is None:
+        return split_layers(model.n_layers, n_stages, layer_counts)
+    from jaxmem.memory import model_facts
+
+    return cost_balanced_layers(model_facts(model).layer_flops(), n_stages)
+
+
 def unstack_layers(stacked, layers: int) -> list:
     """The first ``layers`` entries of a tree whose leaves lead with a layer axis, one tree per layer.
 
@@ -95,6 +143,7 @@ def stage_forward(
     skip: tuple[int, ...] = (),
     vocab: bool = False,
     kinds: tuple[int, ...] = (),
+    families: tuple[int, ...] = (),
     policy=None,
 ) -> Callable:
     """``fn(stage_params, shared, x, batch)`` of one stage of a :class:`~jaxmem.models.StagedModel`:
@@ -103,7 +152,10 @@ def stage_forward(
     have a leading layer axis (at least ``layers``). A ``batch["rng"]`` (the stage's key) is folded
     per layer (:func:`jaxmem.models.layer_batch`). ``kinds``: the kind of each layer, for a model
     whose layers differ in static configuration (:attr:`~jaxmem.models.StagedModel.layer_kinds`;
-    empty: every layer is ``model.layer``).
+    empty: every layer is ``model.layer``). ``families``: the parameter family of each layer, for a
+    model whose layers hold different parameters (:attr:`~jaxmem.models.StagedModel.layer_families`);
+    ``stage_params`` is then a tuple with one stacked tree per family of the model, and the stage's
+    ``i``-th layer of family ``f`` reads that tree's next row.
 
     With ``vocab`` (the vocabulary split over the ranks, :class:`~jaxmem.models.VocabParallel`), the
     first stage starts from its looked-up rows ``x`` (``model.vocab.embed``) and the last ends with
@@ -139,9 +191,15 @@ def stage_forward(
             return model.head_loss(shared, x, layer_batch(batch, HEAD_KEY))
         return x
 
+    def per_layer_params(stage_params) -> list:
+        if not families:
+            return unstack_layers(stage_params, layers)
+        rows = [iter(unstack_layers(tree, families.count(f))) for f, tree in enumerate(stage_params)]
+        return [next(rows[f]) for f in families]
+
     def fn(stage_params, shared, x, batch):
         shared, x = begin(shared, x, batch)
-        return end(shared, unstack_layers(stage_params, layers), x, batch, 0)
+        return end(shared, per_layer_params(stage_params), x, batch, 0)
 
     if policy is None:
         return fn
@@ -155,7 +213,7 @@ def stage_forward(
 
     def mixed(stage_params, shared, x, batch):
         shared, x = begin(shared, x, batch)
-        per_layer = unstack_layers(stage_params, layers)
+        per_layer = per_layer_params(stage_params)
         for i in range(k):
             if i not in skip:
                 x = jax.checkpoint(layer_fn(i), policy=whole)(per_layer[i], x, layer_batch(batch, i))
@@ -220,6 +278,12 @@ class ParamLayout:
     over the mesh's other axes may differ), so a checkpoint saved by one restores onto the other
     shard for shard; other layouts re-lay each array out (:meth:`relayout_stage_leaf`).
 
+    ``families``: for a model whose layers hold different parameters, the family of each layer
+    (:attr:`~jaxmem.models.StagedModel.layer_families`). Each family is stacked apart: a stage
+    position's entry is then a tuple with one stacked tree per family, ``[ranks, the most layers of
+    that family any stage holds, ...]`` -- a rank holding fewer keeps zero rows, as for stages of
+    fewer layers.
+
     ``split`` and ``join`` go between the model's own tree and ``(stages, shared, vocab)``, on device
     (``xp=jax.numpy``) or on the host (``xp=numpy``).
     """
@@ -227,24 +291,55 @@ class ParamLayout:
     stage_to_rank: tuple[int, ...]
     layer_counts: tuple[int, ...]
     vocab_ranks: int = 0
+    families: tuple[int, ...] | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "stage_to_rank": list(self.stage_to_rank),
             "layer_counts": list(self.layer_counts),
             "vocab_ranks": self.vocab_ranks,
         }
+        return out if self.families is None else {**out, "families": list(self.families)}
 
     @classmethod
     def from_json(cls, value: dict) -> ParamLayout:
-        return cls(tuple(value["stage_to_rank"]), tuple(value["layer_counts"]), int(value.get("vocab_ranks", 0)))
+        families = value.get("families")
+        return cls(
+            tuple(value["stage_to_rank"]),
+            tuple(value["layer_counts"]),
+            int(value.get("vocab_ranks", 0)),
+            None if families is None else tuple(families),
+        )
+
+    def family(self, f: int) -> ParamLayout:
+        """The layout of family ``f``'s layers alone (:attr:`families`: the parameter family of each
+        layer, :attr:`~jaxmem.models.StagedModel.layer_families`): each stage holds its layers of
+        that family, stacked apart from the others'."""
+        starts = np.cumsum((0, *self.layer_counts))
+        counts = tuple(self.families[a:b].count(f) for a, b in zip(starts[:-1], starts[1:]))
+        return ParamLayout(self.stage_to_rank, counts)
+
+    def _stack(self, layers: Sequence, xp) -> tuple:
+        if self.families is None:
+            return stack_stage_params(layers, self.layer_counts, self.stage_to_rank, xp=xp)
+        per_family = [
+            self.family(f)._stack([a for a, g in zip(layers, self.families) if g == f], xp)
+            for f in range(max(self.families) + 1)
+        ]
+        return tuple(tuple(stacks) for stacks in zip(*per_family))  # [v][family]
+
+    def _unstack(self, stages: Sequence) -> list:
+        if self.families is None:
+            return unstack_stage_params(stages, self.layer_counts, self.stage_to_rank)
+        rows = [iter(self.family(f)._unstack([entry[f] for entry in stages])) for f in range(max(self.families) + 1)]
+        return [next(rows[f]) for f in self.families]
 
     def split(self, model, params, xp=jnp) -> tuple[tuple, dict, dict]:
         """The model's parameter tree -> ``(stages, shared, vocab)`` in this layout."""
         layers, shared = model.split(params)
         if len(layers) != model.n_layers:
             raise JaxmemError(f"the parameters hold {len(layers)} layers; model {model.name} has {model.n_layers}")
-        stages = stack_stage_params(layers, self.layer_counts, self.stage_to_rank, xp=xp)
+        stages = self._stack(layers, xp)
         vocab = {}
         if self.vocab_ranks:
             shared, vocab = split_vocab(shared, model.vocab, self.vocab_ranks, xp=xp)
@@ -252,14 +347,22 @@ class ParamLayout:
 
     def join(self, model, stages, shared, vocab):
         """The inverse of :meth:`split` (indexing and reshapes only: device or host arrays alike)."""
-        layers = unstack_stage_params(stages, self.layer_counts, self.stage_to_rank)
+        layers = self._unstack(stages)
         if self.vocab_ranks:
             shared = join_vocab(shared, vocab, model.vocab, vocab_size(model))
         return model.join(layers, shared)
 
-    def relayout_stage_leaf(self, leaves: Sequence, other: ParamLayout, xp=np) -> list:
+    def relayout_stage_leaf(self, leaves: Sequence, other: ParamLayout, xp=np, family: int | None = None) -> list:
         """One stage leaf as :meth:`split` lays it out here (``leaves[v]``, ``[ranks, max layers, ...]``)
-        -> the same leaf in ``other``'s layout (one array per local stage position)."""
+        -> the same leaf in ``other``'s layout (one array per local stage position). ``family``: the
+        leaf's parameter family, for layers of several (:attr:`families`)."""
+        if self.families != other.families:
+            raise JaxmemError(
+                "the two layouts hold layers of other parameter families (another model); a checkpoint restores "
+                "only onto the model it was saved from"
+            )
+        if self.families is not None:
+            return self.family(family).relayout_stage_leaf(leaves, other.family(family), xp)
         layers = unstack_stage_params([{"x": a} for a in leaves], self.layer_counts, self.stage_to_rank)
         stacked = stack_stage_params(layers, other.layer_counts, other.stage_to_rank, xp=xp)
         return [entry["x"] for entry in stacked]
@@ -277,7 +380,8 @@ class PipelineParams:
 
     Attributes:
         stages: one dict per local stage position ``v``; leaves ``[ranks, max layers, ...]`` sharded
-            over ``pipe`` on the first axis (rank r's v-th stage).
+            over ``pipe`` on the first axis (rank r's v-th stage). For layers of several parameter
+            families, a tuple of such dicts per position, one per family (:class:`ParamLayout`).
         shared: the model's parameters outside its layers (embeddings, final norm, head), used by the
             first and last stages.
         vocab: with the vocabulary split over the ranks (:class:`~jaxmem.models.VocabParallel`), the

@@ -37,6 +37,7 @@ class StageClass:
     local: int = 0  # position of the stage among its rank's stages (selects the weights)
     skip: tuple[int, ...] = ()  # layers of the stage skipped this step (layer drop)
     kinds: tuple[int, ...] = ()  # the kind of each of its layers (StagedModel.layer_kinds); () = one kind
+    families: tuple[int, ...] = ()  # the parameter family of each (StagedModel.layer_families); () = one
 
     @property
     def label(self) -> str:
@@ -116,17 +117,22 @@ class TickProgram:
 
 
 def cell_classes(
-    schedule: Schedule, layer_counts, policy, drop_layers=frozenset(), layer_kinds=None
+    schedule: Schedule, layer_counts, policy, drop_layers=frozenset(), layer_kinds=None, layer_families=None
 ) -> dict[tuple[int, int], StageClass]:
     """The class of every (stage, microbatch): role, layers, policy variant, local position, the
     stage's layers dropped this step (``drop_layers`` holds global layer indices) and, for layers of
-    several kinds (``layer_kinds``, one per global layer), the kinds of its layers."""
+    several kinds (``layer_kinds``, one per global layer) or parameter families
+    (``layer_families``), the kinds and families of its layers."""
     S = schedule.num_stages
     local = {s: schedule.stages_of(schedule.stage_to_rank[s]).index(s) for s in range(S)}
     starts = [sum(layer_counts[:s]) for s in range(S)]
     skip = {s: tuple(i for i in range(layer_counts[s]) if starts[s] + i in drop_layers) for s in range(S)}
     kinds = {
         s: () if layer_kinds is None else tuple(layer_kinds[starts[s] : starts[s] + layer_counts[s]]) for s in range(S)
+    }
+    families = {
+        s: () if layer_families is None else tuple(layer_families[starts[s] : starts[s] + layer_counts[s]])
+        for s in range(S)
     }
     made: dict[tuple[int, int], StageClass] = {}  # one object per (stage, variant): cells share it
 
@@ -140,6 +146,7 @@ def cell_classes(
                 local=local[s],
                 skip=skip[s],
                 kinds=kinds[s],
+                families=families[s],
             )
         return made[(s, variant)]
 

@@ -233,13 +233,13 @@ def evaluate(
     ``vocab_parallel``: how the state and the math are cut (:class:`~jaxmem.pipeline.Pipeline`)."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
-    from jaxmem.pipeline import split_layers
+    from jaxmem.pipeline import model_layer_counts
     from jaxmem.policy import PRESETS, chronos_policy, from_spec
 
     model = get_model(model)
     facts = model_facts(model)
     hardware = get_hardware(hardware)
-    counts = split_layers(model.n_layers, schedule.num_stages, layer_counts)
+    counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     mb = batch // (data * fsdp * schedule.num_microbatches)
 
     layout = dict(
@@ -262,10 +262,17 @@ def evaluate(
         last = schedule.num_stages - 1
         save_all = PRESETS["save-all"].bind(model.tags)
         base = run("save-all")
+        families = facts.stage_families(counts)
 
         def round_trip(s, m):
             stash = facts.stage(
-                first=s == 0, last=s == last, layers=counts[s], policy=save_all, microbatch=mb, seq=seq
+                first=s == 0,
+                last=s == last,
+                layers=counts[s],
+                families=families[s],
+                policy=save_all,
+                microbatch=mb,
+                seq=seq,
             ).stash_bytes("device")
             return 2 * stash / hardware.host_share
 

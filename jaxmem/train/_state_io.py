@@ -160,7 +160,8 @@ class TrainStateReader(StateReader):
                 keys = (*prefix, "stages", str(v), *inner)
                 _insert(request, keys, _host(_get(shapes, keys)))
             old = [_get(fetch(request, partial=True), (*prefix, "stages", str(v), *inner)) for v in range(old_virtual)]
-            new = saved.relayout_stage_leaf(old, self.layout)
+            family = int(inner[0]) if saved.families is not None else None  # stages[v][family]...
+            new = saved.relayout_stage_leaf(old, self.layout, family=family)
             columns.append([global_put(value, targets[v][i].sharding) for v, value in enumerate(new)])
             del old, new
         return tuple(
