@@ -15,6 +15,7 @@ __all__ = [
     "SETTINGS_ENV",
     "die_with_launcher",
     "human_bytes",
+    "import_named",
     "launch_settings",
     "load_toml",
     "parse_bytes",
@@ -23,6 +24,32 @@ __all__ = [
     "tree_without",
     "with_host_devices",
 ]
+
+
+def import_named(text: str, what: str, example: str):
+    """The object ``package.module:attr`` names (``attr`` may be dotted); ``what`` ("model",
+    "samples") and ``example`` ("mymodels:vit") word the errors. The module is imported from the
+    current directory (as ``python -m`` does) or the installed packages."""
+    import importlib
+    import sys
+
+    module_name, _, attr = text.partition(":")
+    if not module_name or not attr:
+        raise JaxmemError(f"{what} {text!r}: name it as package.module:attr, e.g. {example}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise JaxmemError(
+            f"{what} {text!r}: cannot import {module_name!r} ({e}); run from the directory that holds it, "
+            "or put it on PYTHONPATH"
+        ) from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise JaxmemError(f"{what} {text!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 def load_toml(path: str) -> dict:

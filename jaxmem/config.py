@@ -165,6 +165,10 @@ class TrainConfig:
             JSONL and Parquet files, or ``hf:NAME[:CONFIG]:SPLIT``, a Hugging Face dataset read
             offline from the hub cache or a local directory (:func:`jaxmem.data.hf_documents`).
         data_field: the JSONL field / Parquet / dataset column holding the text.
+        samples: for a model with a batch of its own (a classifier's images and labels), its training
+            samples instead of token data: ``package.module:attr`` naming a
+            :class:`~jaxmem.data.Samples` or a function returning one (``data``, ``tokenizer`` and
+            ``seq_len`` are then not read; ``eval_fraction`` holds out the last samples).
         tokenizer: ``byte`` (default), ``bpe:N`` (a byte-level BPE of N ids trained on the data and
             saved in the checkpoint directory), or the path of a ``tokenizer.json``.
         vocab_size: the vocabulary of a preset model (default: 256 for byte-level data, the
@@ -236,6 +240,7 @@ class TrainConfig:
     seed: int = 0
     data: str = "text"
     data_field: str = "text"
+    samples: str | None = None
     tokenizer: str = "byte"
     vocab_size: int | None = None
     eval_fraction: float = 0.0

@@ -2,6 +2,7 @@
 declared tags, and the facts the ledger and planners use (traced vs the GPT's closed form)."""
 
 import dataclasses
+import json
 import random
 
 import jax
@@ -12,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem import JaxmemError
+from jaxmem.cli import main
 from jaxmem.memory import model_facts
 from jaxmem.models import GPT_TAGS, from_nnx, get_model, make_batch, named_softmax, token_loss
 from jaxmem.pipeline import Pipeline, make_mesh
@@ -126,7 +128,7 @@ def test_from_nnx_errors_name_what_is_wrong(kwargs, message):
         from_nnx(lambda rngs: TinyLM(rngs), **{**base, **kwargs})
 
 
-def test_from_nnx_refuses_state_it_cannot_carry_and_layers_that_differ():
+def test_from_nnx_refuses_state_it_cannot_carry_and_takes_layers_of_other_parameters():
     class WithDropout(nnx.Module):
         def __init__(self, rngs):
             self.tok = nnx.Embed(8, 4, rngs=rngs)
@@ -142,8 +144,8 @@ def test_from_nnx_refuses_state_it_cannot_carry_and_layers_that_differ():
             self.tok = nnx.Embed(8, 4, rngs=rngs)
             self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, use_bias=False, rngs=rngs)])
 
-    with pytest.raises(JaxmemError, match="layer 1 of 'blocks' has other parameters than layer 0"):
-        from_nnx(Uneven, **kw)
+    uneven = from_nnx(Uneven, **kw)  # two parameter families, stacked apart by a pipeline
+    assert uneven.layer_families == (0, 1) and uneven.layer_kinds == (0, 1)
 
 
 # ---------------------------------------------------------------- the Llama, every schedule
@@ -287,8 +289,8 @@ def test_layers_beyond_two_extrapolate_exactly(name):
         bound = PRESETS[policy].bind(model.tags)
         for first, last in [(False, False), (True, True)]:
             kw = {"first": first, "last": last, "policy": bound, "seq": 32}
-            extrapolated = facts._per_sequence(layers=4, **kw)
-            direct = facts._traced(layers=4, **kw)
+            extrapolated = facts._per_sequence(fams=(0,) * 4, **kw)
+            direct = facts._traced(fams=(0,) * 4, **kw)
             assert extrapolated.stash_elems == direct.stash_elems
             assert extrapolated.forward_flops == pytest.approx(direct.forward_flops, rel=1e-6)
             assert extrapolated.backward_flops == pytest.approx(direct.backward_flops, rel=1e-6)
@@ -527,13 +529,9 @@ def _vit_batch_spec(size, seq):  # no sequence: a classifier's images and labels
     }
 
 
-def test_the_ledger_and_planner_take_a_models_own_batch():
-    """A model that says what its batch is (``batch_spec``) is traced with it: the ledger predicts a
-    ViT's step (its stash exactly the executor's arenas) and the planner plans it."""
-    from jaxmem.memory import predict
-    from jaxmem.search import search
-
-    model = from_nnx(
+def _vit():
+    """The tiny ViT that says what its batch is (``batch_spec``: images and labels)."""
+    return from_nnx(
         _TinyViT,
         layers="blocks",
         embed=_vit_embed,
@@ -541,6 +539,15 @@ def test_the_ledger_and_planner_take_a_models_own_batch():
         tags=("mlp",),
         batch_spec=_vit_batch_spec,
     )
+
+
+def test_the_ledger_and_planner_take_a_models_own_batch():
+    """A model that says what its batch is (``batch_spec``) is traced with it: the ledger predicts a
+    ViT's step (its stash exactly the executor's arenas) and the planner plans it."""
+    from jaxmem.memory import predict
+    from jaxmem.search import search
+
+    model = _vit()
     schedule = generate("1f1b", 2, 4)
     ledger = predict(model, schedule, "save-all", batch=8, seq=1)
     tick, _ = Pipeline(model, schedule, make_mesh(pipe=2)).program(_vit_batch_spec(8, 1))
@@ -593,6 +600,82 @@ def test_a_classifier_with_its_own_batch_pipelines_and_trains(name, policy):
     assert losses[-1] < 0.5 * losses[0], losses
     # The forward-only program (evaluation) takes the same batch.
     assert float(jax.jit(pipe.loss_fn(batch))(placed, batch)) < losses[0]
+
+
+def _vit_samples(n: int, seed: int = 0):
+    """``n`` 8 x 8 images whose label is a fixed linear function of their channel means."""
+    from jaxmem.data import Samples
+
+    rng = np.random.default_rng(seed)
+    images = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
+    labels = (images.mean(axis=(1, 2)) @ np.random.default_rng(1).normal(size=(3, 5))).argmax(-1).astype(np.int32)
+    return Samples({"images": images, "labels": labels}, name="toy-images")
+
+
+_VIT_MODULE = """
+from test_models import _vit, _vit_samples
+
+vit = _vit
+
+
+def train():
+    return _vit_samples(80)
+"""
+
+
+def test_the_trainer_trains_a_model_on_samples_of_its_own_batch(tmp_path, monkeypatch, capsys):
+    """The Trainer and train() take a classifier's samples (jaxmem.data.Samples): batches of its own
+    keys, shuffled and resumable as token data is, a held-out part evaluated, samples/s reported; a
+    resumed run goes on where it stopped, other samples are refused, and token data is refused with
+    a pointer to Samples."""
+    from jaxmem.config import TrainConfig
+    from jaxmem.train import Trainer, train
+
+    model = _vit()
+    samples = _vit_samples(80)
+    config = TrainConfig(
+        model=model,
+        pipe=2,
+        microbatches=4,
+        batch_size=8,
+        steps=16,
+        lr=1e-2,
+        warmup_steps=0,
+        eval_fraction=0.2,
+        eval_every=8,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=8,
+    )
+    trainer = Trainer(config, samples=samples)
+    assert len(trainer.samples) == 64 and len(trainer.eval_samples) == 16
+    batch, _ = trainer.data_iterator().next()
+    assert batch.arrays()["images"].shape == (8, 8, 8, 3) and batch.arrays()["labels"].dtype == np.int32
+    summary = train(config, trainer=trainer, progress=False)
+    assert summary["steps"] == 16 and summary["data"] == "toy-images (64 samples)"
+    assert summary["tokens_per_second"] is None and summary["samples_per_second"] > 0
+    assert np.mean(summary["losses"][-4:]) < 0.8 * np.mean(summary["losses"][:4]), summary["losses"]
+    assert [step for step, _ in summary["eval_losses"]] == [8, 16]
+    # Resumed from the command line: the model and its samples named as package.module:attr.
+    (tmp_path / "vit_run.py").write_text(_VIT_MODULE)
+    monkeypatch.chdir(tmp_path)
+    flags = ["--pipe", "2", "--microbatches", "4", "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "0"]
+    flags += ["--eval-fraction", "0.2", "--eval-every", "8", "--checkpoint-dir", config.checkpoint_dir]
+    assert (
+        main(["train", "--model", "vit_run:vit", "--samples", "vit_run:train", *flags, "--steps", "18", "--json"]) == 0
+    )
+    resumed = json.loads(capsys.readouterr().out)
+    assert resumed["resumed_from"] == 16 and resumed["steps"] == 18
+    assert main(["train", "--model", "vit_run:vit", "--samples", "vit_run:nothing", *flags, "--steps", "18"]) == 2
+    assert "samples 'vit_run:nothing': 'vit_run' has no attribute 'nothing'" in capsys.readouterr().err
+    longer = dataclasses.replace(config, steps=18)
+    with pytest.raises(JaxmemError, match="trained on other data"):
+        train(longer, trainer=Trainer(longer, samples=_vit_samples(80, seed=3)), progress=False)
+    with pytest.raises(JaxmemError, match=r"takes a batch of its own \(images, labels\).*samples=jaxmem.data.Samples"):
+        Trainer(dataclasses.replace(config, checkpoint_dir=None))
+    wrong = _vit_samples(16)
+    wrong = type(wrong)({"images": np.zeros((16, 4, 4, 3), np.float32), "labels": np.zeros(16, np.int32)})
+    with pytest.raises(JaxmemError, match="takes .*images.*8, 8, 8, 3"):
+        Trainer(dataclasses.replace(config, checkpoint_dir=None), samples=wrong)
 
 
 # ---------------------------------------------------------------- layers that differ
@@ -703,15 +786,15 @@ def test_layers_of_other_parameters_are_stacked_by_family():
 
 def test_layers_of_other_parameters_are_split_by_their_flops():
     """By default the stages of a model of several families balance the layers' FLOPs, not their
-    count: the dense-then-MoE model's MoE layers cost about six dense ones, so at P=2 the first stage
+    count: the dense-then-MoE model's MoE layers cost about 4.5 dense ones, so at P=2 the first stage
     takes its two dense layers and three MoE ones; the ledger prices the same split."""
     from families import family
 
-    from jaxmem.memory import model_facts, predict
-    from jaxmem.pipeline import cost_balanced_layers
+    from jaxmem.memory import predict
+    from jaxmem.pipeline import cost_balanced_layers, layer_flops
 
     model = family("dense-moe")  # 2 dense, 6 MoE
-    flops = model_facts(model).layer_flops()
+    flops = layer_flops(model)
     assert flops[2] > 4 * flops[0] and len(set(flops)) == 2
     schedule = generate("1f1b", 2, 4)
     pipe = Pipeline(model, schedule, make_mesh(1, 2))

@@ -52,6 +52,12 @@ def add_arguments(p) -> None:
         "--data-field", help="the JSONL field / Parquet / Hugging Face dataset column with the text (default: text)"
     )
     g.add_argument(
+        "--samples",
+        metavar="MODULE:ATTR",
+        help="for a model with a batch of its own (images and labels, ...): its training samples instead of "
+        "--data, as package.module:attr naming a jaxmem.data.Samples or a function returning one",
+    )
+    g.add_argument(
         "--tokenizer",
         help="byte (default), bpe:N (train a byte-level BPE of N ids on --data; saved with the checkpoints), "
         "or a tokenizer.json file",

@@ -41,7 +41,7 @@ from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import human_bytes
 from jaxmem.config import GENERATED_POLICIES, MeshSpec
 from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE, estimate, get_hardware
-from jaxmem.pipeline import balanced_layers
+from jaxmem.pipeline import balanced_layers, model_layer_counts
 from jaxmem.schedule import Schedule, ScheduleError, generate, lockstep_ticks
 from jaxmem.search import evaluate
 
@@ -246,7 +246,12 @@ def choose_recovery(
         return generate(schedule_name, stages, M, config.virtual)
 
     # Layers per stage: over every stage of the schedule (P x V for interleaved and V-shapes).
-    original_counts = tuple(config.layers_per_stage or balanced_layers(layers, schedule_for(P).num_stages))
+    def split(stages: int) -> tuple[int, ...]:
+        """Layers per stage as the pipeline splits them by default (by count, not needing to divide; by
+        FLOPs for layers of several parameter families)."""
+        return model_layer_counts(model, stages) if model.layer_families else balanced_layers(layers, stages)
+
+    original_counts = tuple(config.layers_per_stage or split(schedule_for(P).num_stages))
     layout = {"zero": config.zero, "vocab_parallel": config.vocab_parallel}
     budget = budget or config.budget
 
@@ -326,7 +331,7 @@ def choose_recovery(
         for d_new in range(D, 0, -1):
             stages_new = schedule_for(p_new).num_stages
             if p_new * d_new * F * T <= devices_left and layers >= stages_new:
-                counts = balanced_layers(layers, stages_new)
+                counts = split(stages_new)
                 add("re-partition", p_new, d_new, counts, note=f"pipe {P} -> {p_new}, layers {list(counts)}")
                 break
         if any(c.name == "re-partition" for c in candidates):

@@ -19,7 +19,9 @@ Tracing is abstract and done at one sequence per microbatch (the working set is 
 (every stashed value carries the batch axis). A stage of more than two layers is extrapolated from
 one and two layers (layers are identical, so each adds the same), which keeps a planner's search
 over a 48-layer model as cheap as over a 2-layer one; a test checks the extrapolation against direct
-traces.
+traces. Layers of several parameter families (:attr:`~jaxmem.models.StagedModel.layer_families`:
+dense and mixture-of-experts layers) are composed the same way, each further layer adding what a
+second layer of its family adds to a first; a stage is then described by its layers' families.
 
 jaxmem's GPT also has closed-form figures (``jaxmem/memory/_model.py``): its residuals are derived from
 which values each op's backward reads, its FLOPs are its matmuls. That fast path is used when a
@@ -231,20 +233,6 @@ class ModelFacts:
         """``layers`` layers' parameter bytes in units of layer 0's, their ``families`` given for a
         model of several."""
         return float(layers) if families is None else float(sum(self._family_units[f] for f in families))
-
-    def layer_flops(self, seq: int | None = None) -> list[float]:
-        """Per layer, the FLOPs of its forward and backward for one sequence (``seq``: the model's
-        longest up to 512 by default), a one-layer middle stage of its family under save-all, read
-        from the lowered programs (never compiled): what a split by cost balances."""
-        from jaxmem.policy import PRESETS
-
-        seq = seq or min(self.model.max_seq_len or 512, 512)
-        policy = PRESETS["save-all"].bind(self.model.tags)
-        per_family = []
-        for f in range(len(self._family_layer)):
-            plan, stage, x = self._traced_plan(False, False, (f,), policy, seq)
-            per_family.append(sum(self._flops(plan, stage, x, seq)))
-        return [per_family[f] for f in (self.families or (0,) * self.model.n_layers)]
 
     def stage_rows(self, layer_counts):
         """The rows a pipeline stacks for its stages (``static_bytes``'s ``layers``): the most layers any

@@ -75,26 +75,9 @@ def get_model(spec, **overrides) -> StagedModel:
 def _imported(text: str) -> StagedModel:
     """The model ``package.module:attr`` names (cached: every lookup of one name gives one object, so
     its traced facts are shared)."""
-    import importlib
-    import os
-    import sys
+    from jaxmem._util import import_named
 
-    module_name, _, attr = text.partition(":")
-    if not module_name or not attr:
-        raise JaxmemError(f"model {text!r}: name a model as package.module:attr, e.g. mymodels:vit")
-    if os.getcwd() not in sys.path:  # as `python -m` does: a module beside the run is found
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise JaxmemError(
-            f"model {text!r}: cannot import {module_name!r} ({e}); run from the directory that holds it, "
-            "or put it on PYTHONPATH"
-        ) from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise JaxmemError(f"model {text!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_named(text, "model", "mymodels:vit")
     if not isinstance(obj, (StagedModel, type)) and callable(obj):  # a factory (a class is not one)
         obj = obj()
     if not isinstance(obj, StagedModel):

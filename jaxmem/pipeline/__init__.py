@@ -24,6 +24,7 @@ from jaxmem.pipeline._split import ParamLayout as ParamLayout
 from jaxmem.pipeline._split import PipelineParams as PipelineParams
 from jaxmem.pipeline._split import balanced_layers as balanced_layers
 from jaxmem.pipeline._split import cost_balanced_layers as cost_balanced_layers
+from jaxmem.pipeline._split import layer_flops as layer_flops
 from jaxmem.pipeline._split import model_layer_counts as model_layer_counts
 from jaxmem.pipeline._split import split_layers as split_layers
 from jaxmem.pipeline._split import stage_forward as stage_forward

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -19,6 +20,7 @@ __all__ = [
     "PipelineParams",
     "balanced_layers",
     "cost_balanced_layers",
+    "layer_flops",
     "model_layer_counts",
     "split_layers",
     "stack_stage_params",
@@ -111,12 +113,49 @@ def model_layer_counts(model, n_stages: int, layer_counts: Sequence[int] | None 
     """Layers per stage of a :class:`~jaxmem.models.StagedModel`: ``layer_counts`` when given
     (checked), else balanced -- by count when its layers are alike (:func:`split_layers`), by each
     layer's FLOPs when they hold parameters of several families (a dense layer beside mixture-of-
-    experts ones: :meth:`~jaxmem.memory.ModelFacts.layer_flops`, :func:`cost_balanced_layers`)."""
+    experts ones: :func:`layer_flops`, :func:`cost_balanced_layers`)."""
     if layer_counts is not None or model.layer_families is None:
         return split_layers(model.n_layers, n_stages, layer_counts)
-    from jaxmem.memory import model_facts
+    return cost_balanced_layers(layer_flops(model), n_stages)
 
-    return cost_balanced_layers(model_facts(model).layer_flops(), n_stages)
+
+_LAYER_FLOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def layer_flops(model, seq: int | None = None) -> list[float]:
+    """Per layer, the FLOPs of its forward and backward on one sequence (``seq``: the model's longest
+    up to 512 by default): a one-layer middle stage of its family, read from ``cost_analysis()`` of
+    the lowered program (never compiled). What a split by cost balances. Cached per model."""
+    from jaxmem.models import RNG_SPEC
+
+    seq = seq or min(model.max_seq_len or 512, 512)
+    cache = _LAYER_FLOPS.setdefault(model, {})
+    if seq not in cache:
+        layers, shared = model.split(model.abstract_params())
+        if model.batch_spec is not None:
+            batch = dict(model.batch_spec(1, seq))
+        else:
+            tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+            batch = {"tokens": tokens, "targets": tokens}
+        if model.rng:
+            batch["rng"] = RNG_SPEC
+        x = jax.eval_shape(model.embed, shared, layer_batch(batch, EMBED_KEY))
+        families = model.layer_families or (0,) * model.n_layers
+        per_family = []
+        for index in model.family_layers():
+            kinds = () if model.layer_kinds is None else (model.layer_kinds[index],)
+            fn = stage_forward(model, first=False, last=False, layers=1, kinds=kinds)
+            stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype), layers[index])
+
+            def forward_backward(stage, shared, x, batch, fn=fn):
+                out, pullback = jax.vjp(lambda p, xx: fn(p, shared, xx, batch), stage, x)
+                return pullback(out)
+
+            cost = jax.jit(forward_backward).lower(stage, shared, x, batch).cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            per_family.append(float((cost or {}).get("flops", 0.0)))
+        cache[seq] = [per_family[f] for f in families]
+    return list(cache[seq])
 
 
 def unstack_layers(stacked, layers: int) -> list:

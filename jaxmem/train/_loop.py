@@ -119,7 +119,7 @@ def _metrics_hook(config: TrainConfig, trainer: Trainer, log) -> MetricsHook:
         config.run_dir,
         flops_per_step=model_flops_per_step(trainer.model, config.batch_size, config.seq_len),
         peak_flops=peak,
-        tokens_per_step=config.batch_size * config.seq_len,
+        tokens_per_step=None if trainer.samples is not None else config.batch_size * config.seq_len,
         budget_bytes=config.budget,
         flush_every=config.log_every,
     )
@@ -216,11 +216,19 @@ def train(
         log(f"note: {warning}")
     resumed_from = state.step if state.step != first_step else None
     first_step = state.step
-    tokens_per_step = config.batch_size * config.seq_len
+    # Samples of a model with a batch of its own are counted as samples, token windows as tokens.
+    per_step, unit = (
+        (config.batch_size, "samples")
+        if trainer.samples is not None
+        else (
+            config.batch_size * config.seq_len,
+            "tok",
+        )
+    )
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     if progress:
-        data = trainer.corpus.name if trainer.corpus is not None else "synthetic tokens"
+        data = trainer.data_name if trainer.corpus is not None or trainer.samples is not None else "synthetic tokens"
         tokenizer = f", {trainer.tokenizer.name} tokens" if trainer.tokenizer is not None else ""
         console.print(
             f"[bold]jaxmem train[/bold]: {trainer.model.name} ({trainer.model.param_count():,} params) on "
@@ -268,7 +276,7 @@ def train(
                 step_times.append(seconds)
             if lr is not None:
                 values["lr"] = float(lr)
-            if trainer.eval_corpus is not None and (
+            if trainer.has_eval and (
                 state.step == config.steps or (config.eval_every and state.step % config.eval_every == 0)
             ):
                 values["eval_loss"] = trainer.eval_loss(state)
@@ -282,8 +290,8 @@ def train(
             if plan_check is None and len(step_times) == 3:
                 plan_check = _check_plan(plan_record, step_times, log)
             # The training steps' own rate, as --run-dir metrics give it (evaluation and saves excluded).
-            rate = tokens_per_step * len(step_times) / max(sum(step_times), 1e-9)
-            text = f"loss {loss_value:.3f}  {rate:,.0f} tok/s"
+            rate = per_step * len(step_times) / max(sum(step_times), 1e-9)
+            text = f"loss {loss_value:.3f}  {rate:,.0f} {unit}/s"
             if "eval_loss" in values:
                 text += f"  eval {values['eval_loss']:.3f}"
             bar.update(task, completed=state.step, info=text)
@@ -307,7 +315,8 @@ def train(
         "losses": losses,
         "loss_last10_mean": float(np.mean(losses[-10:])) if losses else None,
         "eval_losses": evals,
-        "tokens_per_second": tokens_per_step * steady_steps / run_seconds if steady_steps else None,
+        "tokens_per_second": per_step * steady_steps / run_seconds if steady_steps and unit == "tok" else None,
+        "samples_per_second": config.batch_size * steady_steps / run_seconds if steady_steps else None,
         "step_seconds_median": float(np.median(step_times)) if step_times else None,
         "compile_seconds": compile_seconds,
         "run_seconds": run_seconds,
@@ -324,7 +333,7 @@ def train(
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
         "model": trainer.model.name,
-        "data": trainer.corpus.name if trainer.corpus is not None else "synthetic",
+        "data": trainer.data_name,
         "tokenizer": trainer.tokenizer.name if trainer.tokenizer is not None else None,
         "vocab_size": trainer.model.vocab_size,
         "dtype": trainer.pipeline.compute_dtype(trainer.batch_spec()).name,

@@ -80,7 +80,7 @@ class MetricsHook(Hook):
         run_dir: where to write.
         flops_per_step: model FLOPs of one step (see :func:`model_flops_per_step`).
         peak_flops: peak FLOP/s of the devices together (None: no MFU).
-        tokens_per_step: batch x sequence length.
+        tokens_per_step: batch x sequence length (None: the batch holds no tokens, no rate).
         budget_bytes: device budget to show beside the compiled bytes (None: not shown).
         flush_every: flush the files every N steps.
     """
@@ -91,7 +91,7 @@ class MetricsHook(Hook):
         *,
         flops_per_step: float | None = None,
         peak_flops: float | None = None,
-        tokens_per_step: int,
+        tokens_per_step: int | None,
         budget_bytes: float | None = None,
         flush_every: int = 10,
     ):
@@ -142,7 +142,7 @@ class MetricsHook(Hook):
             "loss": info.loss,
             **{k: v for k, v in info.metrics.items() if k != "loss"},
             "step_seconds": seconds,
-            "tokens_per_second": self.tokens_per_step / seconds if seconds else None,
+            "tokens_per_second": self.tokens_per_step / seconds if seconds and self.tokens_per_step else None,
             "mfu": (
                 self.flops_per_step / (seconds * self.peak_flops)
                 if seconds and self.flops_per_step and self.peak_flops

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -14,7 +15,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError, setting
 from jaxmem.config import GENERATED_POLICIES, OptimizerSpec, TrainConfig
-from jaxmem.data import ORDER, Batch, DataIterator, load_corpus
+from jaxmem.data import (
+    ORDER,
+    Batch,
+    DataIterator,
+    SampleBatch,
+    SampleIterator,
+    Samples,
+    load_corpus,
+    load_samples,
+)
 from jaxmem.memory import measure
 from jaxmem.models import StagedModel, describe_model
 from jaxmem.pipeline import Pipeline, PipelineParams, batch_spec, make_mesh
@@ -83,10 +93,28 @@ class Trainer:
             (float32 master weights keep float32 moments).
         corpus: the training data (default: what ``config.data`` / ``config.tokenizer`` name, with
             the ``eval_fraction`` held out); its tokenizer sets a preset model's vocabulary.
+        samples: instead of a token corpus, the samples of a model with a batch of its own (a
+            classifier's images and labels: :class:`~jaxmem.data.Samples`, each sample one row of the
+            model's ``batch_spec``), the last ``eval_fraction`` of them held out; ``config.data``,
+            ``tokenizer`` and ``seq_len`` are then not read. Default: what ``config.samples`` names.
     """
 
-    def __init__(self, config: TrainConfig, *, devices: Sequence | None = None, optimizer=None, corpus=None):
-        self.corpus, self.eval_corpus = (corpus, None) if corpus is not None else _load_data(config)
+    def __init__(
+        self, config: TrainConfig, *, devices: Sequence | None = None, optimizer=None, corpus=None, samples=None
+    ):
+        self.samples = self.eval_samples = None
+        if samples is None and config.samples is not None:
+            samples = load_samples(config.samples)
+        if samples is not None:
+            if corpus is not None or not isinstance(samples, Samples):
+                raise JaxmemError(
+                    "Trainer(samples=) takes a jaxmem.data.Samples (and no corpus beside it), got "
+                    f"{type(samples).__name__}"
+                )
+            self.samples, self.eval_samples = samples.split(config.eval_fraction)
+            self.corpus = self.eval_corpus = None
+        else:
+            self.corpus, self.eval_corpus = (corpus, None) if corpus is not None else _load_data(config)
         tokenizer = self.tokenizer
         preset = not isinstance(config.model, StagedModel) and config.init_from is None
         if tokenizer is not None and config.vocab_size is None and preset:
@@ -111,6 +139,7 @@ class Trainer:
             vocab_parallel=config.vocab_parallel,
         )
         self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
+        self._check_samples()
         self.pipeline.check_batch(self.batch_spec())
         self.optimizer = optimizer or make_optimizer(config.optimizer)
         self.learning_rate = learning_rate(config.optimizer) if optimizer is None else None
@@ -119,22 +148,68 @@ class Trainer:
         self._compiled = None
         self._eval_fn = None
 
+    def _check_samples(self) -> None:
+        """A model with a batch of its own trains on samples of that batch; token data gives only
+        ``tokens`` and ``targets``."""
+        own = self.model.batch_spec
+        if own is None:
+            return
+        want = dict(own(self.config.batch_size, self.config.seq_len))
+        if self.samples is None:
+            if set(want) != {"tokens", "targets"}:
+                raise JaxmemError(
+                    f"model {self.model.name} takes a batch of its own ({', '.join(sorted(want))}), which token data "
+                    "cannot give; pass its data as Trainer(config, samples=jaxmem.data.Samples(...))"
+                )
+            return
+        got = self.samples.spec(self.config.batch_size)
+        shapes = {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in want.items()}
+        given = {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in got.items()}
+        if shapes != given:
+            raise JaxmemError(
+                f"samples {self.samples.name!r} batch to {given}, but model {self.model.name} takes {shapes} (its "
+                "batch_spec at this batch size); give samples of those keys, shapes and dtypes"
+            )
+
     @property
     def tokenizer(self):
-        """The data's tokenizer (None for synthetic data)."""
+        """The data's tokenizer (None for synthetic data and samples)."""
         return None if self.corpus is None else self.corpus.tokenizer
+
+    @property
+    def has_eval(self) -> bool:
+        """The run holds data out for evaluation (``eval_fraction``)."""
+        return (self.eval_samples if self.samples is not None else self.eval_corpus) is not None
+
+    @property
+    def data_name(self) -> str:
+        """What the run trains on, for reports."""
+        if self.samples is not None:
+            return f"{self.samples.name} ({len(self.samples):,} samples)"
+        return self.corpus.name if self.corpus is not None else "synthetic"
 
     def batch_spec(self, seq: int | None = None) -> dict:
         """The abstract global batch of a step (with its sharding over ``data``)."""
-
-        spec = batch_spec(self.config.batch_size, seq or self.config.seq_len)
+        if self.samples is not None:
+            spec = self.samples.spec(self.config.batch_size)
+        else:
+            spec = batch_spec(self.config.batch_size, seq or self.config.seq_len)
         return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in spec.items()}
 
-    def data_iterator(self, seed: int | None = None, position: int = 0, *, split: str = "train") -> DataIterator:
+    def data_iterator(
+        self, seed: int | None = None, position: int = 0, *, split: str = "train"
+    ) -> DataIterator | SampleIterator:
         """The batches of the training data (``split="eval"``: of the held-out data)."""
-        source = self.eval_corpus if split == "eval" else self.corpus
-        if split == "eval" and source is None:
+        if not self.has_eval and split == "eval":
             raise JaxmemError(f"this run holds out no eval data; set {setting('eval_fraction')}")
+        if self.samples is not None:
+            return SampleIterator(
+                source=self.eval_samples if split == "eval" else self.samples,
+                batch_size=self.config.batch_size,
+                seed=self.config.seed if seed is None else seed,
+                position=position,
+            )
+        source = self.eval_corpus if split == "eval" else self.corpus
         return DataIterator(
             source=source if source is not None else "synthetic",
             batch_size=self.config.batch_size,
@@ -237,7 +312,7 @@ class Trainer:
         ]
         return float(np.mean(losses))
 
-    def put_batch(self, batch: Batch) -> dict:
+    def put_batch(self, batch: Batch | SampleBatch) -> dict:
         """The global batch as arrays split over ``data`` (every process holds the same host batch)."""
         return {k: global_put(v, self.batch_sharding) for k, v in batch.arrays().items()}
 
@@ -330,7 +405,7 @@ class Trainer:
                 f"{setting('seed', meta['seed'])}, or start a new {setting('checkpoint_dir')}"
             )
         saved_seq = meta.get("plan", {}).get("seq_len")
-        if saved_seq is not None and saved_seq != self.config.seq_len:
+        if saved_seq is not None and saved_seq != self.config.seq_len and self.samples is None:
             raise JaxmemError(
                 f"the checkpoint at step {meta['step']} was trained with {setting('seq_len', saved_seq)}, this "
                 f"run has {setting('seq_len', self.config.seq_len)}: a sample number names a window of that many "
