@@ -3,6 +3,8 @@ and policies; compile time vs microbatches; and what one tick of the compiled st
 
     python benchmarks/overhead.py [--steps 10] [--json]          # the grid, record in results/overhead.json
     python benchmarks/overhead.py --profile [--policy save-all]  # the tick loop of 1F1B P=4 M=8
+    python benchmarks/overhead.py --split-backward --schedules zbv,chronos --json
+        # each variant with and without split_backward, one after the other (results/overhead_split.json)
 
 Measured in one process on virtual CPU devices (P=4 on 4 devices): every pipelined step against the
 plain ``jax.jit(value_and_grad + Adam)`` step on the SAME 4 devices (data parallel: the batch split
@@ -80,7 +82,9 @@ def plain_step_seconds(config_name, batch, seq, steps, seed=0, devices=1):
     return seconds, compile_seconds
 
 
-def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy="selective", model="tiny"):
+def pipelined(
+    microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
+):
     trainer = Trainer(
         TrainConfig(
             model=model,
@@ -91,6 +95,7 @@ def pipelined(microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy
             batch_size=batch,
             seq_len=seq,
             steps=max(steps, 1),
+            split_backward=split,
         )
     )
     state = trainer.init_state()
@@ -134,6 +139,11 @@ def main(argv=None):
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     parser.add_argument("--profile", action="store_true", help="print the tick loop of one compiled step and exit")
     parser.add_argument("--policy", default="save-all", help="the policy --profile compiles (1F1B, P=4, M=8)")
+    parser.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="time every variant without and then with split_backward (W takes I's cotangents)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     B, T, model = args.batch_size, args.seq_len, get_model("tiny", n_layers=LAYERS)
@@ -152,31 +162,35 @@ def main(argv=None):
         for m in [int(x) for x in args.microbatches.split(",")]:
             ideal = bubble_ideal(schedule, 4, m)
             for policy in args.policies.split(","):
-                seconds, compile_s = pipelined(m, B, T, args.steps, schedule=schedule, policy=policy, model=model)
-                ratio = seconds / plain4_s
-                rows.append(
-                    {
-                        "schedule": schedule,
-                        "microbatches": m,
-                        "policy": policy,
-                        "step_seconds": seconds,
-                        "compile_seconds": compile_s,
-                        "over_plain": ratio,
-                        "bubble_ideal": ideal,
-                        "over_ideal": ratio / ideal,
-                    }
-                )
-                print(
-                    f"{schedule:17s} M={m:<3d} {policy:14s} {seconds:7.4f} s  {ratio:5.2f}x plain  "
-                    f"ideal {ideal:5.3f}  {ratio / ideal:5.2f}x ideal",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                for split in (False, True) if args.split_backward else (False,):
+                    seconds, compile_s = pipelined(
+                        m, B, T, args.steps, schedule=schedule, policy=policy, model=model, split=split
+                    )
+                    ratio = seconds / plain4_s
+                    rows.append(
+                        {
+                            "schedule": schedule,
+                            "microbatches": m,
+                            "policy": policy,
+                            **({"split_backward": split} if args.split_backward else {}),
+                            "step_seconds": seconds,
+                            "compile_seconds": compile_s,
+                            "over_plain": ratio,
+                            "bubble_ideal": ideal,
+                            "over_ideal": ratio / ideal,
+                        }
+                    )
+                    print(
+                        f"{schedule:17s} M={m:<3d} {policy:14s}{' split' if split else '      '} {seconds:7.4f} s  "
+                        f"{ratio:5.2f}x plain  ideal {ideal:5.3f}  {ratio / ideal:5.2f}x ideal",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     _, compile_m4 = pipelined(4, B, T, 0, model=model)
     _, compile_m32 = pipelined(32, B, T, 0, model=model)
     record = {
         "benchmark": "overhead",
-        "command": "python benchmarks/overhead.py --json",
+        "command": "python benchmarks/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": f"tiny, {LAYERS} layers",
         "batch_size": B,
         "seq_len": T,

@@ -148,6 +148,9 @@ class TrainConfig:
             default; no effect with one replica).
         vocab_split: split the token embedding and the head over the pipe ranks by vocabulary rows
             (the default, for models that declare their tables; no effect with one rank).
+        split_backward: on schedules that split the backward (zb-h1, zbv, chronos), W takes I's
+            cotangents instead of running the stage's pullback again: faster, at the memory of those
+            cotangents from I to W (:class:`~jaxmem.pipeline.Pipeline`'s ``split_backward``).
         devices: virtual CPU devices to create when there is no accelerator (default D x F x P x T).
         steps: optimizer steps.
         seq_len: tokens per sequence.
@@ -227,6 +230,7 @@ class TrainConfig:
     tensor: int = 1
     zero: bool = True
     vocab_split: bool = True
+    split_backward: bool = False
     devices: int | None = None
     steps: int = OptimizerSpec.steps  # the optimizer's fields default as its spec does
     seq_len: int = 64

@@ -147,6 +147,7 @@ def verify(
     drop_layers=frozenset(),
     loss_mask: bool = False,
     perturb=None,
+    split_backward: bool = False,
 ) -> dict:
     """Run one pipelined gradient and compare it with ``jax.value_and_grad`` of the whole model on the
     same batch.
@@ -167,6 +168,7 @@ def verify(
         loss_mask: give the batch a random loss mask (masked mean over counted tokens).
         perturb: ``grads -> grads`` applied to the pipelined gradients before comparing (to check that
             the check fails when a gradient is wrong).
+        split_backward: W takes I's cotangents (:class:`~jaxmem.pipeline.Pipeline`'s ``split_backward``).
 
     Returns:
         ``ok`` (structures equal and every array within the dtype's tolerance), ``max_abs_diff``,
@@ -181,7 +183,14 @@ def verify(
     model.check_batch(seq_len)
     drop_layers = frozenset(drop_layers)
     pipe = Pipeline(
-        model, schedule, mesh, policy=policy, drop_layers=drop_layers, zero=zero, vocab_parallel=vocab_parallel
+        model,
+        schedule,
+        mesh,
+        policy=policy,
+        drop_layers=drop_layers,
+        zero=zero,
+        vocab_parallel=vocab_parallel,
+        split_backward=split_backward,
     )
     replicas = data_parallel * fsdp
     size = replicas * schedule.num_microbatches * microbatch_size

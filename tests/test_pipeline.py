@@ -136,6 +136,58 @@ def test_the_tick_loop_writes_residuals_in_place_and_copies_no_carried_buffer(vo
     assert traffic.writing(arena) == writes
 
 
+def test_a_split_backward_runs_the_cotangents_once_and_hands_w_what_it_reads():
+    """On a zero-bubble schedule I and W share the backward (jaxmem.pipeline._iw): under save-all
+    their matrix products add up to the whole backward's -- W repeats none of I's chain of input
+    gradients (before, W ran the whole pullback again) -- W's are the four weight products of a GPT
+    layer, and what I hands W lives in its own arena from the I's tick to the W's. In the compiled
+    step no carried buffer is copied (an arena written where it is read would be, in every I)."""
+    config = TrainConfig(
+        schedule="zbv", pipe=2, microbatches=4, batch_size=8, seq_len=16, policy="save-all", split_backward=True
+    )
+    trainer = Trainer(config)
+    pipe = trainer.pipeline
+    spec = trainer.batch_spec()
+    tick, plans = pipe.program(spec)
+    micro, message = pipe.microbatch_spec(spec), pipe.message_spec(spec)
+    middle = next(c for c in tick.classes if not c.first and not c.last)
+    split = pipe.backward_split(middle, plans[middle], micro, message)
+
+    def dots(eqns):
+        return sum(e.primitive.name == "dot_general" for e in eqns)
+
+    whole = dots(split.split.closed.jaxpr.eqns)
+    assert dots(split.split.i_eqns) + dots(split.split.w_eqns) == whole
+    assert dots(split.split.w_eqns) == 4 * middle.layers  # qkv, out, up, down: one weight product each
+    assert tick.class_transfer_elems[tick.classes.index(middle)] == split.transfer_elems()
+    assert any(key[1] == "i-to-w" for key in tick.stash_keys)
+    moves = tick_traffic(trainer.compiled(trainer.init_state())).whole_buffer_moves()
+    assert [i for i in moves if i.opcode == "copy"] == [], [i.shape for i in moves]
+
+
+SPLIT_CASES = [  # (model, schedule, policy, data-parallel, fsdp)
+    ("tiny", "zbv", "save-all", 1, 1),
+    ("llama-tiny", "zb-h1", "recompute-all", 2, 1),
+    ("llama-tiny", "chronos", "selective", 1, 2),
+]
+
+
+@pytest.mark.parametrize("model,name,policy,d,f", SPLIT_CASES)
+def test_a_split_backward_gives_plain_gradients(model, name, policy, d, f):
+    """I handing W its cotangents (split_backward) leaves the gradients jax.grad's, with data
+    parallelism, FSDP and a split vocabulary (the first stage's I then has an input gradient)."""
+    schedule = generate(name, 2, 4)
+    result = verify(
+        schedule,
+        model=verification_model(schedule.num_stages, model),
+        policy=policy,
+        data_parallel=d,
+        fsdp=f,
+        split_backward=True,
+    )
+    assert result["ok"] and result["max_rel_diff"] < 1e-5, result
+
+
 def test_training_lowers_the_loss(small_trainer):
     state = small_trainer.init_state()
     losses = []

@@ -114,6 +114,13 @@ def add_arguments(p) -> None:
         help="keep the token embedding and the head whole on every pipe rank (by default their vocabulary "
         "rows are split over the ranks)",
     )
+    g.add_argument(
+        "--split-backward",
+        action="store_true",
+        default=None,
+        help="on schedules that split the backward (zb-h1, zbv, chronos): W takes I's cotangents instead of "
+        "running the stage's backward again -- faster, at the memory of those cotangents from I to W",
+    )
     g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x F x P)")
     g.add_argument(
         "--policy",

@@ -136,6 +136,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
         zero=config.zero,
         vocab_parallel=config.vocab_parallel,
         layer_counts=config.layers_per_stage,
+        split_backward=config.split_backward,
     )
     devices = config.num_devices
     small = predicted.max_device_bytes * devices < 2 * 2**30

@@ -383,6 +383,50 @@ class ModelFacts:
         per_sequence = self._per_sequence(first, last, fams, policy, seq, vocab)
         return per_sequence.scaled(microbatch)
 
+    def transfer_elems(
+        self,
+        *,
+        first: bool,
+        last: bool,
+        layers: int,
+        policy,
+        microbatch: int,
+        seq: int,
+        vocab: bool = False,
+        families: tuple[int, ...] | None = None,
+    ) -> dict[tuple[str, str], int]:
+        """Per device arena, the elements one stage-microbatch's I hands its W when the schedule
+        splits its backward (:mod:`jaxmem.pipeline._iw`), from the same split the executor traces;
+        composed over layers as :meth:`stage` is (arguments as its)."""
+        policy = _stage_only(policy)
+        vocab = bool(vocab) and (first or last)
+        fams = self._fams(layers, families)
+        k = min(policy.recompute_layers, layers)
+        parts = [
+            (self._transfers(first, last, fams[k:], dataclasses.replace(policy, recompute_layers=0), seq, vocab), 1)
+        ]
+        parts += [(self._transfers(False, False, (f,), policy.whole_layer(), seq), 1) for f in fams[:k]]
+        return {key: int(round(n * microbatch)) for key, n in _mixed(parts).items()}
+
+    def _transfers(self, first, last, fams, policy, seq, vocab=False) -> dict:
+        key = ("transfers", first, last, fams, policy, seq, vocab)
+        if key not in self._cache:
+            if len(fams) <= 2:
+                from jaxmem.pipeline import abstract_split
+
+                plan, stage, x = self._traced_plan(first, last, fams, policy, seq, vocab)
+                input_grad = not (first and not vocab)  # the first stage's input gradient goes nowhere
+                shared, batch = self._stage_shared(vocab), self.batch(1, seq)
+                split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad)
+                self._cache[key] = split.transfer_elems()
+            else:  # each further layer adds what a second layer of its family adds to a first
+                parts = [(self._transfers(first, last, fams[:1], policy, seq, vocab), 1)]
+                for f in fams[1:]:
+                    parts.append((self._transfers(first, last, (f, f), policy, seq, vocab), 1))
+                    parts.append((self._transfers(first, last, (f,), policy, seq, vocab), -1))
+                self._cache[key] = _mixed(parts)
+        return self._cache[key]
+
     def _fams(self, layers: int, families) -> tuple[int, ...]:
         """A stage's layers as the facts describe them: the family of each (all 0 when alike)."""
         if self.families is None:
@@ -581,11 +625,25 @@ class ModelFacts:
             self._working(first, last, fams, policy, seq, vocab),
         )
 
-    def _working(self, first, last, fams, policy, seq, vocab=False, tensor=1) -> float | None:
+    def split_working(
+        self, *, first, last, layers, policy, microbatch, seq, vocab=False, families=None
+    ) -> float | None:
+        """Per device, the working set of one stage-microbatch's backward when the schedule splits it
+        into I and W (:mod:`jaxmem.pipeline._iw`): the larger of the two parts' temporaries, each
+        compiled alone. None for a stage that recomputes layers apart (its parts are composed; the
+        whole backward's working set stands for it)."""
+        if policy.recompute_layers:
+            return None
+        fams = self._fams(layers, families)
+        vocab = bool(vocab) and (first or last)
+        return self._working(first, last, fams, policy, seq, vocab, split=True) * microbatch
+
+    def _working(self, first, last, fams, policy, seq, vocab=False, tensor=1, split=False) -> float | None:
         """Per sequence (and device): the temporaries of the stage's pullback compiled alone, at
         ``WORKSET_MICROBATCH`` sequences (a microbatch of one lays some buffers out apart); more
         than two layers are extrapolated from one and two, as the other facts are. With ``tensor``
-        > 1, compiled on a ``tensor`` mesh of local devices (None when there are too few)."""
+        > 1, compiled on a ``tensor`` mesh of local devices (None when there are too few). With
+        ``split``, the larger of its I and W parts' (:meth:`split_working`)."""
         # The pullback compiled alone takes its stash as arguments wherever the executor keeps it:
         # where the stash lives does not change its temporaries (equal on every preset, tiny GPT and
         # Llama), so the offloaded variants share the compile.
@@ -593,13 +651,13 @@ class ModelFacts:
         if len(fams) > 2:
             # Per family, a layer adds what a second adds to a first (inc), on a base (2 one - two):
             # identical layers give two + (n - 2) (two - one).
-            one = {f: self._working(first, last, (f,), policy, seq, vocab, tensor) for f in set(fams)}
-            two = {f: self._working(first, last, (f, f), policy, seq, vocab, tensor) for f in set(fams)}
+            one = {f: self._working(first, last, (f,), policy, seq, vocab, tensor, split) for f in set(fams)}
+            two = {f: self._working(first, last, (f, f), policy, seq, vocab, tensor, split) for f in set(fams)}
             if any(v is None for v in one.values()):
                 return None
             base = max(2 * one[f] - two[f] for f in one)
             return max(base + sum(two[f] - one[f] for f in fams), max(two.values()))
-        key = ("working", first, last, fams, policy, seq, vocab, tensor)
+        key = ("working", first, last, fams, policy, seq, vocab, tensor, split)
         cache = self._cache if self._depthless is None else _WORKING.setdefault(self._depthless, {})
         if key not in cache:
             import jax
@@ -619,8 +677,12 @@ class ModelFacts:
             plan = analyze_stage(fn, stage, shared, x, batch, stash_to_host=policy.offload_stash)
             if mesh is not None:
                 stage, shared = self._tensor_placed(stage, shared, mesh, vocab)
-            compiled = _lower_pullback(plan, stage, shared, x, batch, mesh=mesh).compile()
-            cache[key] = float(compiled.memory_analysis().temp_size_in_bytes) / mb
+            if split:
+                lowered = _lower_split(plan, stage, shared, x, batch, input_grad=not (first and not vocab))
+            else:
+                lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
+            temps = [float(part.compile().memory_analysis().temp_size_in_bytes) for part in lowered]
+            cache[key] = max(temps) / mb
         return cache[key]
 
     def tensor_working(
@@ -692,6 +754,15 @@ class ModelFacts:
         return forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
 
 
+def _mixed(parts) -> dict:
+    """``sum(weight * elems)`` of ``[(elems dict, weight), ...]``, zeros dropped."""
+    out: dict = {}
+    for elems, weight in parts:
+        for k, n in elems.items():
+            out[k] = out.get(k, 0) + weight * n
+    return {k: n for k, n in out.items() if n}
+
+
 def _stacked(family_layers, rows, ranks):
     """Stage leaves ``[ranks, rows, ...]``: of the first family's layer for an int ``rows``, else a
     tuple with ``rows[f]`` rows of each family's."""
@@ -742,6 +813,50 @@ def _lower_pullback(plan, stage, shared, x, batch, *, mesh=None):
         return plan.pullback(stage, shared, x, batch, packed)(ct)
 
     return jax.jit(backward_fn).lower(stage, jax.tree.map(placed, shared), jax.tree.map(placed, batch), packed, ct)
+
+
+def _lower_split(plan, stage, shared, x, batch, input_grad: bool) -> list:
+    """The stage's backward split into I and W (:mod:`jaxmem.pipeline._iw`), each lowered alone as
+    the executor runs it: I from the stash slot and the output's cotangent to the input gradient,
+    writing its transfers into their arena in place; W from the same, reading the transfers back
+    out of the arena, to the weight gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmem.pipeline import stage_split
+
+    packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items() if n}
+    ct = jax.tree_util.tree_unflatten(plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals])
+
+    def backward(stage, shared, batch, packed, ct):
+        x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
+        return plan.pullback(stage, shared, x_like, batch, packed)(ct)
+
+    args = (stage, shared, batch, packed, ct)
+    split = stage_split(backward, *args, input_grad=input_grad)
+    avals = split.split.transfer_avals
+    places, sizes = [], {}
+    for a in avals:  # each transfer's arena (by dtype) and offset there, as the executor lays them out
+        name = np.dtype(a.dtype).name
+        places.append((name, sizes.get(name, 0)))
+        sizes[name] = sizes.get(name, 0) + int(np.prod(a.shape))
+    arenas = {name: jax.ShapeDtypeStruct((n,), np.dtype(name)) for name, n in sizes.items()}
+
+    def i_part(args, arenas):
+        d_x, transfers = split.input_grad(args)
+        arenas = dict(arenas)
+        for value, (name, off) in zip(transfers, places, strict=True):
+            arenas[name] = jax.lax.dynamic_update_slice_in_dim(arenas[name], jnp.ravel(value), off, 0)
+        return d_x, arenas
+
+    def w_part(args, arenas):
+        transfers = [
+            jax.lax.dynamic_slice_in_dim(arenas[name], off, int(np.prod(a.shape)), 0).reshape(a.shape)
+            for a, (name, off) in zip(avals, places, strict=True)
+        ]
+        return split.weight_grads(args, transfers)
+
+    return [jax.jit(i_part, donate_argnums=1).lower(args, arenas), jax.jit(w_part).lower(args, arenas)]
 
 
 def _cost_flops(lowered) -> float:

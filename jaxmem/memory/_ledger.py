@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxmem._util import compiled_bytes, tree_bytes
 from jaxmem.policy import resolve
+from jaxmem.schedule import Kind
 
 __all__ = [
     "CATEGORIES",
@@ -112,6 +113,7 @@ def predict(
     optimizer_moments: int = 2,
     drop_layers=frozenset(),
     facts=None,
+    split_backward: bool = False,
 ) -> Ledger:
     """The predicted ledger: traced or closed-form facts (:mod:`jaxmem.memory._facts`), no compiling.
 
@@ -136,6 +138,8 @@ def predict(
         optimizer_moments: optimizer state per parameter, in parameter-sized arrays (Adam: 2).
         drop_layers: global indices of layers skipped this step (layer drop).
         facts: the model's facts (default: :func:`model_facts`, cached).
+        split_backward: W takes I's cotangents (``Pipeline(split_backward=True)``): they are kept from
+            I to W, and the backward's working set is the larger of I's and W's.
     """
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
@@ -185,7 +189,9 @@ def predict(
     optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
-    class_sizes, working, item = {}, 0.0, 0.0
+    # Split backwards (zero-bubble schedules, no tensor axis) also keep what each I hands its W.
+    splits = split_backward and tensor == 1 and any(a.kind is Kind.I for a in schedule.actions())
+    class_sizes, class_transfers, working, item = {}, {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]
         families = tuple(f for i, f in enumerate(c.families) if i not in c.skip) if c.families else None
@@ -200,6 +206,7 @@ def predict(
         )
         stage = facts.stage(**shape, microbatch=mb)
         class_sizes[c] = stash_rows(stage.stash_elems, tensor)
+        class_transfers[c] = facts.transfer_elems(**shape, microbatch=mb) if splits else {}
         # The backward's working set, read from the program: the temporaries of the stage's
         # pullback compiled alone (the largest over the classes). With a tensor axis it is compiled
         # on a tensor mesh where this process has the devices; elsewhere the cut part of the
@@ -207,6 +214,8 @@ def predict(
         # A backward gathers its item's whole part.
         part = facts.tensor_cut(variant, seq, tensor)
         own = facts.tensor_working(**shape, microbatch=mb, tensor=tensor)
+        if splits:  # I and W each compiled alone: the larger
+            own = facts.split_working(**shape, microbatch=mb)
         if own is None:  # whole-stage compile, its cut part modelled
             own = stage.working_bytes * (1 - part.full * (1 - 1 / tensor))
         working = max(working, own)
@@ -216,7 +225,10 @@ def predict(
     index = {c: i for i, c in enumerate(classes)}
     assignment = tuple(index[cells[key]] for key in sorted(cells))
     sizes = tuple(tuple(sorted(class_sizes[c].items())) for c in classes)
-    stash_dev, stash_host, live, act_slots, grad_slots = _stash_layout(schedule, classes, sizes, assignment, vocab)
+    transfers = tuple(tuple(sorted(class_transfers[c].items())) for c in classes)
+    stash_dev, stash_host, live, act_slots, grad_slots = _stash_layout(
+        schedule, classes, sizes, assignment, vocab, transfers
+    )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
     inputs = tree_bytes({k: v for k, v in facts.batch(batch // replicas, seq).items() if k != "rng"})
     # Beside it, the step's gradient accumulators leave the executor's cond updated while the old
@@ -249,6 +261,7 @@ def predict(
             "zero": zero and replicas > 1,
             "vocab_parallel": vocab,
             "layers_per_stage": list(counts),
+            "split_backward": splits,
         }
     )
     return Ledger("predicted", ranks, meta)
@@ -287,20 +300,28 @@ def uses_vocab_split(model, ranks: int, vocab_parallel: bool | None = None) -> b
 
 
 @functools.lru_cache(maxsize=4096)
-def _stash_layout(schedule, classes: tuple, sizes: tuple, assignment: tuple, head_grads: bool = False) -> tuple:
+def _stash_layout(
+    schedule, classes: tuple, sizes: tuple, assignment: tuple, head_grads: bool = False, transfers: tuple = ()
+) -> tuple:
     """What the ledger reads from the lowered schedule: (device, host) stash arena bytes, each rank's
     own stash bytes, and the message slots.
 
-    ``classes[i]`` stashes ``sizes[i]`` (arena, elements) pairs; ``assignment`` gives every
-    (stage, microbatch), in sorted order, its class index. Cached by value: a planner prices the same
-    (schedule, policy) several times, and the lowering is most of a prediction's cost.
+    ``classes[i]`` stashes ``sizes[i]`` (arena, elements) pairs, and its I hands its W
+    ``transfers[i]`` pairs; ``assignment`` gives every (stage, microbatch), in sorted order, its class
+    index. Cached by value: a planner prices the same (schedule, policy) several times, and the
+    lowering is most of a prediction's cost.
     """
     from jaxmem.pipeline import build_tick_program
 
     keys = [(s, m) for s in range(schedule.num_stages) for m in range(schedule.num_microbatches)]
     cells = {key: classes[i] for key, i in zip(keys, assignment, strict=True)}
     tick = build_tick_program(
-        schedule, cells, dict(zip(classes, map(dict, sizes))), with_table=False, head_grads=head_grads
+        schedule,
+        cells,
+        dict(zip(classes, map(dict, sizes))),
+        with_table=False,
+        head_grads=head_grads,
+        transfer_elems=dict(zip(classes, map(dict, transfers))) if transfers else None,
     )
     stash_dev, stash_host, live = _arena_bytes(tick)
     return stash_dev, stash_host, tuple(live), tick.act_slots, tick.grad_slots

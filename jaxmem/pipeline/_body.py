@@ -16,6 +16,7 @@ Three parts, each built where its inputs are known:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from jaxmem._errors import JaxmemError
 from jaxmem.models import microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
 from jaxmem.pipeline._cut import CutArena, as_rows
+from jaxmem.pipeline._iw import TRANSFER_SPACE, StageSplit, stage_split
 from jaxmem.pipeline._placement import AXES, LeafPlacement, _is_placement
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage
 from jaxmem.pipeline._split import vocab_size as _vocab_size
@@ -102,6 +104,10 @@ class StepBody:
         self.col = {name: i for i, name in enumerate(COLUMNS)}
         self.keys = tick.stash_keys
         self.stash_cols = [tick.stash_column(ki) for ki in range(len(self.keys))]
+        self.transfer_cols = [tick.transfer_column(ki) for ki in range(len(self.keys))]
+        # Split backwards (I and W) share their work through the arenas (jaxmem.pipeline._iw):
+        # whenever the tick program laid out what an I hands its W.
+        self.split_backward = pipeline.splits_backward and not forward
         if tick.table.max(initial=0) >= 2**31 or max(tick.arena_elems, default=0) >= 2**31:
             raise JaxmemError(
                 f"a stash arena of {max(tick.arena_elems):,} elements exceeds what int32 indexing reaches (2^31); "
@@ -188,9 +194,12 @@ class _Run:
             )
             for c in body.tick.classes
         ]
+        self.splits: dict[StageClass, StageSplit] = {}  # per class, its backward split into I and W
         self.branches = [self.branch(ci, kind) for ci, kind in body.tick.branches]  # branch 0 is idle
         branches = body.tick.branches
-        self.forwards_first = sorted(range(1, len(self.branches) + 1), key=lambda b: branches[b - 1][1] is not Kind.F)
+        # Writers of the arenas before their readers: forwards (the stash), then I (what it hands W).
+        rank = {Kind.F: 0, Kind.I: 1}
+        self.forwards_first = sorted(range(1, len(self.branches) + 1), key=lambda b: rank.get(branches[b - 1][1], 2))
         self.pipe_index = jax.lax.axis_index("pipe")
         self.ends = None if body.vocab_split is None else _VocabEnds(self)
 
@@ -280,6 +289,7 @@ class _Run:
 
     def _forward(self, c: StageClass, plan: ResidualPlan, arena, state, offs, x_in, g_in, micro):
         body = self.body
+        offs, _ = offs
         message, arenas, grads, shared_grads, totals = state
         params = self.device_params(c.local)
         shared_in = self.shared_for(plan)
@@ -296,6 +306,7 @@ class _Run:
 
     def _backward(self, c: StageClass, plan: ResidualPlan, arena, rows, kind: Kind, state, offs, x_in, g_in, micro):
         body = self.body
+        offs, transfer_offs = offs
         message, arenas, grads, shared_grads, totals = state
         params = self.device_params(c.local)
         shared_in = self.shared_for(plan)
@@ -325,14 +336,70 @@ class _Run:
                     for g, a in zip(leaves, plan.out_avals, strict=True)
                 ]
             )
-        d_params, d_shared, d_x = pullback(ct)
         # The first stage's input gradient goes to a split vocabulary's table (after the conds).
         no_input_grad = (c.first and body.vocab_split is None) or kind is Kind.W
+        if kind is Kind.B or not body.split_backward:
+            d_params, d_shared, d_x = pullback(ct)
+        else:  # I runs the cotangents' chain once and hands W what its weight gradients read
+            args = (params, shared_in, micro, current, ct)
+            split = self.stage_split(c, plan, args)
+            if kind is Kind.I:
+                d_x, transfers = split.input_grad(args)
+                arenas = self.hand_over(arenas, transfers, transfer_offs)
+            else:
+                transfers = self.take_over(arenas, split.split.transfer_avals, transfer_offs)
+                d_params, d_shared = split.weight_grads(args, transfers)
         if not no_input_grad:
             message = vary_tree(d_x)
         if kind is not Kind.I:
             grads, shared_grads = self.accumulate(grads, shared_grads, c.local, plan, d_params, d_shared)
         return (message, arenas, grads, shared_grads, totals)
+
+    def stage_split(self, c: StageClass, plan: ResidualPlan, args) -> StageSplit:
+        """Class ``c``'s backward split into I and W (traced once, by whichever runs first)."""
+        if c not in self.splits:
+            body = self.body
+
+            def backward(params, shared_in, micro, current, ct):
+                return plan.pullback(params, shared_in, self.x_like, micro, current, pin=body.pin)(ct)
+
+            input_grad = not (c.first and body.vocab_split is None)
+            split = stage_split(backward, *args, input_grad=input_grad)
+            laid_out = body.tick.class_transfer_elems[body.tick.classes.index(c)]
+            need = split.transfer_elems()
+            if any(n > laid_out.get(key, 0) for key, n in need.items()):
+                raise JaxmemError(
+                    f"internal: stage class {c.label}'s I hands its W {need} elements, but the tick program laid "
+                    f"out {laid_out}; please report this with the model and schedule"
+                )
+            self.splits[c] = split
+        return self.splits[c]
+
+    def _transfer_layout(self, avals):
+        """Per transfer, its arena and offset within its class's region there."""
+        keys = {key[0]: i for i, key in enumerate(self.body.keys) if key[1] == TRANSFER_SPACE}
+        used: dict[int, int] = {}
+        layout = []
+        for aval in avals:
+            ki = keys[np.dtype(aval.dtype).name]
+            layout.append((ki, used.get(ki, 0)))
+            used[ki] = used.get(ki, 0) + math.prod(aval.shape)
+        return layout
+
+    def hand_over(self, arenas, transfers, offs):
+        """I's transfers written in place into the transfer arenas at its transfer offsets."""
+        arenas = list(arenas)
+        for value, (ki, inner) in zip(transfers, self._transfer_layout([t.aval for t in transfers]), strict=True):
+            arenas[ki] = jax.lax.dynamic_update_slice_in_dim(arenas[ki], jnp.ravel(value), offs[ki] + inner, 0)
+        return tuple(arenas)
+
+    def take_over(self, arenas, avals, offs) -> list:
+        """W's transfers read back from the arenas."""
+        out = []
+        for aval, (ki, inner) in zip(avals, self._transfer_layout(avals), strict=True):
+            flat = jax.lax.dynamic_slice_in_dim(arenas[ki], offs[ki] + inner, math.prod(aval.shape), 0)
+            out.append(flat.reshape(aval.shape))
+        return out
 
     # ------------------------------------------------------------------ the ticks
     def read(self, buffers, slot):
@@ -353,7 +420,7 @@ class _Run:
         if ends is not None:
             x_in = ends.embed_rows(x_in, vocab_row[0])
         g_in = self.read(grad_buf, row[col["grad_in"]])
-        offs = tuple(row[c] for c in body.stash_cols)
+        offs = (tuple(row[c] for c in body.stash_cols), tuple(row[c] for c in body.transfer_cols))
         # One two-way cond per branch, not one n-way switch: XLA keeps a buffer in place across a cond
         # whose other side returns it unchanged, where an n-way switch copies every buffer it passes
         # through (the arenas and accumulators, on every tick). The forwards come first: a backward

@@ -30,6 +30,7 @@ from jaxmem._errors import JaxmemError, setting
 from jaxmem.models import RNG_SPEC, StagedModel, get_model
 from jaxmem.pipeline._body import StepBody, varying_axes
 from jaxmem.pipeline._compute_copy import compute_model_abstract, may_cut_master, narrow_vocab
+from jaxmem.pipeline._iw import StageSplit, abstract_split
 from jaxmem.pipeline._placement import (
     AXES,
     MESH_AXES,
@@ -50,7 +51,7 @@ from jaxmem.pipeline._ticks import (
     stash_rows,
 )
 from jaxmem.policy import ResolvedPolicy, resolve
-from jaxmem.schedule import Schedule, forward_only, validate
+from jaxmem.schedule import Kind, Schedule, forward_only, validate
 
 __all__ = ["Pipeline", "batch_spec", "make_mesh", "varying_axes"]
 
@@ -152,6 +153,11 @@ def _batch_size(spec: dict) -> int:
     return first.shape[0]
 
 
+def uses_split_backward(schedule: Schedule) -> bool:
+    """The schedule splits some backward into I and W."""
+    return any(a.kind is Kind.I for a in schedule.actions())
+
+
 def _counted(spec: dict) -> int:
     """What the loss's mean is over, before a loss mask: the targets of a language model's batch
     (every position), else the examples."""
@@ -185,6 +191,10 @@ class Pipeline:
             :meth:`compute_params` makes it). By default with ``zero``, several ``data`` replicas,
             a model that casts some parameter to a narrower dtype where it uses it, and no weights or
             optimizer state offloaded by the policy; or with FSDP (each action then gathers the copy).
+        split_backward: on schedules that split the backward (ZB-H1, ZBV, Chronos), I hands W the
+            cotangents its weight products read instead of W running the stage's pullback again
+            (:mod:`jaxmem.pipeline._iw`): faster, at the memory of those cotangents from I to W (the
+            ledger prices them). Off by default; not with a ``tensor`` axis.
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
     step (see ``examples/train_own_model.py``).
@@ -202,6 +212,7 @@ class Pipeline:
         zero: bool = True,
         vocab_parallel: bool | None = None,
         master_cut: bool | None = None,
+        split_backward: bool = False,
     ):
 
         validate(schedule)
@@ -251,6 +262,7 @@ class Pipeline:
             self.policy.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(self.virtual)
         )
         self._master_cut = master_cut
+        self.split_backward = bool(split_backward)
         if master_cut and not self._may_cut_master():
             raise JaxmemError(
                 "master_cut needs ZeRO (zero=True) over more than one data replica, or FSDP, and no weights or "
@@ -275,6 +287,7 @@ class Pipeline:
             zero=self.zero,
             vocab_parallel=self.vocab is not None,
             master_cut=self.master_cut,
+            split_backward=self.split_backward,
         )
 
     # ------------------------------------------------------------------ parameters
@@ -582,14 +595,39 @@ class Pipeline:
         key = (_key(spec), forward)
         if key not in self._programs:
             plans = self.residual_plans(spec)
+            transfers = None
+            if self.splits_backward and not forward:
+                micro, message = self.microbatch_spec(spec), self.message_spec(spec)
+                with _naming_batch_keys(self.model, micro):
+                    transfers = {
+                        c: self.backward_split(c, p, micro, message).transfer_elems() for c, p in plans.items()
+                    }
             tick = build_tick_program(
                 forward_only(self.schedule) if forward else self.schedule,
                 self.cell_classes,
                 {c: {} if forward else stash_rows(p.stash_elems, self.tensor) for c, p in plans.items()},
                 head_grads=self.vocab is not None and not forward,
+                transfer_elems=transfers,
             )
             self._programs[key] = (tick, plans)
         return self._programs[key]
+
+    @property
+    def splits_backward(self) -> bool:
+        """Its I and W actions share the backward's work (:mod:`jaxmem.pipeline._iw`): I runs the
+        cotangents through the stage once and hands W, through arenas of their own, the values its
+        weight gradients read. With ``split_backward``, on schedules with split backwards, without a
+        ``tensor`` axis; otherwise I and W each run the whole pullback, XLA dropping what each
+        discards."""
+        return self.split_backward and self.tensor == 1 and uses_split_backward(self.schedule)
+
+    def backward_split(self, c: StageClass, plan: ResidualPlan, micro, message) -> StageSplit:
+        """Class ``c``'s backward split into I and W (:mod:`jaxmem.pipeline._iw`), traced abstractly
+        (``plan``: its residual plan; ``micro``, ``message``: a microbatch and a message, abstract)."""
+        abstract = self.stage_abstract()
+        stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract.stages[c.local])
+        input_grad = not (c.first and self.vocab is None)
+        return abstract_split(plan, stage, abstract.shared, micro, message, input_grad=input_grad)
 
     def grad_fn(self, batch, seq: int | None = None):
         """``fn(params, batch, rng=None) -> (loss, grads)`` for batches like ``batch`` (a batch dict or

@@ -71,12 +71,15 @@ class TickProgram:
         cell_class: class index of every (stage, microbatch).
         local_stage: index of every stage among its rank's stages.
         branches: ``(class index, kind)`` for every non-idle branch.
-        table: ``[P, num_ticks, len(COLUMNS) + 2 * len(offsets) + len(stash_keys)]`` int64: the
+        table: ``[P, num_ticks, len(COLUMNS) + 2 * len(offsets) + 2 * len(stash_keys)]`` int64: the
             named columns; per ppermute offset, the activation slot and the gradient slot an incoming
-            message is written to; per stash arena, the offset the action's residuals live at.
+            message is written to; per stash arena, the offset the action's residuals live at, then
+            per arena the offset of what its I hands its W (:mod:`jaxmem.pipeline._iw`).
         act_slots / grad_slots: live slots of the message buffers (index ``act_slots`` is the trash).
         stash_keys: the arenas, one per ``(dtype, memory space)``.
         class_elems: per class, elements one stage-microbatch stashes in each arena.
+        class_transfer_elems: per class, elements its I hands its W in each arena (empty without a
+            split backward).
         arena_elems: per arena, the length every rank allocates (the largest rank's need).
         rank_arena_elems: per arena and rank, what that rank's own items need.
         stash_live: per class and rank, the peak number of stashed items.
@@ -104,9 +107,13 @@ class TickProgram:
         repr=False, compare=False, default=()
     )
     vocab_ticks: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
+    class_transfer_elems: tuple[dict, ...] = ()
 
     def stash_column(self, key_index: int) -> int:
         return len(COLUMNS) + 2 * len(self.offsets) + key_index
+
+    def transfer_column(self, key_index: int) -> int:
+        return len(COLUMNS) + 2 * len(self.offsets) + len(self.stash_keys) + key_index
 
     def column(self, name: str) -> int:
         return COLUMNS.index(name)
@@ -208,6 +215,7 @@ def build_tick_program(
     *,
     with_table: bool = True,
     head_grads: bool = False,
+    transfer_elems: dict[StageClass, dict[tuple[str, str], int]] | None = None,
 ) -> TickProgram:
     """Lower a validated schedule to tick tables.
 
@@ -222,6 +230,8 @@ def build_tick_program(
             for an executor.
         head_grads: the head's gradient ``dL/dh`` is produced at the last stage's F (the vocabulary
             split over the ranks) and waits in a gradient slot for its B.
+        transfer_elems: per class, elements its I hands its W per arena (the split backward,
+            :mod:`jaxmem.pipeline._iw`): each lives in the arenas from the I's tick to the W's.
     """
     validate(schedule)
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
@@ -262,6 +272,7 @@ def build_tick_program(
     act_items = {r: [] for r in range(num_ranks)}
     grad_items = {r: [] for r in range(num_ranks)}
     stash_items = {(r, c): [] for r in range(num_ranks) for c in range(len(classes))}
+    transfer_items = {(r, c): [] for r in range(num_ranks) for c in range(len(classes))}
     for a in present:
         s, m = a.stage, a.microbatch
         if a.kind is Kind.F:
@@ -271,6 +282,8 @@ def build_tick_program(
                 stash_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), (s, m)))
         elif a.kind in (Kind.B, Kind.I) and s > 0:
             grad_items[rank_of[s - 1]].append((ticks[a], last_use(s - 1, m), (s - 1, m)))
+        if a.kind is Kind.I:
+            transfer_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), ("I->W", s, m)))
         if head_grads and a.kind is Kind.F and s == num_stages - 1 and not schedule.forward_only:
             grad_items[rank_of[s]].append((ticks[a], last_use(s, m), (s, m)))
 
@@ -287,7 +300,8 @@ def build_tick_program(
     if stash_elems is None:
         stash_elems = {c: {("float32", "device"): 1} for c in classes}
     class_elems = tuple(dict(stash_elems[c]) for c in classes)
-    stash_keys = tuple(sorted({k for elems in class_elems for k, n in elems.items() if n}))
+    class_transfers = tuple(dict((transfer_elems or {}).get(c, {})) for c in classes)
+    stash_keys = tuple(sorted({k for elems in (*class_elems, *class_transfers) for k, n in elems.items() if n}))
     stash_offset: dict[tuple[int, int, int], int] = {}  # (key index, stage, mb) -> offset
     rank_arena = [[0] * num_ranks for _ in stash_keys]
     arena = []
@@ -298,6 +312,11 @@ def build_tick_program(
                 (p, q, cell, class_elems[c].get(key, 0))
                 for c in range(len(classes))
                 for p, q, cell in stash_items[(r, c)]
+            ] + [
+                (p, q, cell, class_transfers[c].get(key, 0))
+                for c in range(len(classes))
+                for p, q, cell in transfer_items[(r, c)]
+                if class_transfers[c].get(key, 0)
             ]
             offsets_r, length = _assign_offsets(items)
             stash_offset.update({(ki, *cell): o for cell, o in offsets_r.items()})
@@ -333,6 +352,7 @@ def build_tick_program(
         grad_slots=grad_slots,
         stash_keys=stash_keys,
         class_elems=class_elems,
+        class_transfer_elems=class_transfers,
         arena_elems=tuple(arena),
         rank_arena_elems=tuple(tuple(x) for x in rank_arena),
         stash_live=tuple(tuple(x) for x in stash_live),
@@ -354,7 +374,7 @@ def _tick_table(
     schedule, offsets, stash_keys = program.schedule, program.offsets, program.stash_keys
     num_ranks, num_stages, rank_of = schedule.num_ranks, schedule.num_stages, schedule.stage_to_rank
     act_trash, grad_trash = program.act_slots, program.grad_slots
-    width = len(COLUMNS) + 2 * len(offsets) + len(stash_keys)
+    width = len(COLUMNS) + 2 * len(offsets) + 2 * len(stash_keys)
     table = np.zeros((num_ranks, program.num_ticks, width), np.int64)
     col = {name: i for i, name in enumerate(COLUMNS)}
     table[:, :, col["send"]] = len(offsets)
@@ -372,7 +392,9 @@ def _tick_table(
         row[col["local_stage"]] = program.local_stage[s]
         row[col["microbatch"]] = m
         for ki in range(len(stash_keys)):
-            row[len(COLUMNS) + 2 * len(offsets) + ki] = stash_offset[(ki, s, m)]
+            row[program.stash_column(ki)] = stash_offset[(ki, s, m)]
+            if a.kind in (Kind.I, Kind.W):
+                row[program.transfer_column(ki)] = stash_offset.get((ki, "I->W", s, m), 0)
         if a.kind is Kind.F and s > 0:
             row[col["act_in"]] = act_slot[(r, (s, m))]
         if a.kind in (Kind.B, Kind.I, Kind.W) and (s < num_stages - 1 or head_grads):

@@ -137,6 +137,7 @@ class Trainer:
             policy=config.policy,
             zero=config.zero,
             vocab_parallel=config.vocab_parallel,
+            split_backward=config.split_backward,
         )
         self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
         self._check_samples()
