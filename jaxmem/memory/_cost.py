@@ -560,12 +560,15 @@ def estimate(
     hardware="h100",
     facts=None,
     memory: bool = True,
+    split_backward: bool = False,
 ) -> Estimate:
     """Memory and step time of (model, schedule, policy, shape) on a hardware profile: the one
     prediction the planner, the profiler, the recovery planner and the benchmarks share.
 
     ``memory=False`` skips the ledger (time only): for schedules one SPMD program cannot run, such as
-    a rerouted pipeline where one rank holds an extra stage.
+    a rerouted pipeline where one rank holds an extra stage. ``split_backward``: the pipeline's (its
+    I->W cotangents are priced in the ledger; the time model prices I and W as halves of the
+    backward either way).
 
     >>> from jaxmem.schedule import generate
     >>> e = estimate("tiny", generate("1f1b", 4, 8), "selective", batch=32, seq=64)
@@ -598,6 +601,7 @@ def estimate(
             vocab_parallel=vocab_parallel,
             layer_counts=counts,
             drop_layers=drop_layers,
+            split_backward=split_backward,
             facts=facts,
         )
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)

@@ -280,6 +280,7 @@ class AdaptiveProfiler:
             layer_counts=base.layer_counts,
             drop_layers=drop_layers,
             hardware=self.hardware,
+            split_backward=base.split_backward,
         )
         seconds = result.step_seconds
         return result.device_bytes, seconds * self._factor(policy), seconds
