@@ -359,9 +359,10 @@ class StagedModel:
             are kept whole (and sharded only by ``fsdp`` and ZeRO).
         axes: a tree like the parameters of :class:`ParamAxes`: the dimensions a mesh's ``tensor``
             axis cuts (:func:`from_nnx` reads them from ``nnx.with_partitioning``); None: none.
-        layer_kinds: for each layer, which of ``kind_layers`` runs it: layers of one parameter
-            structure whose static configuration differs (a sliding window on some, a RoPE base, a
-            flag set in ``__init__``); None: every layer is ``layer``.
+        layer_kinds: for each layer, which of ``kind_layers`` runs it: layers whose static
+            configuration differs (a sliding window on some, a RoPE base, a flag set in ``__init__``)
+            or whose parameters differ (dense and mixture-of-experts layers, also other
+            :attr:`layer_families`); None: every layer is ``layer``.
         kind_layers: the layer function of each kind (``kind_layers[0]`` is ``layer``).
         batch_spec: ``(batch_size, seq_len) -> dict of jax.ShapeDtypeStruct``: the batch the model
             takes, abstract (what the ledger, the planner and ``jaxmem memory`` trace it with); None:
@@ -552,8 +553,9 @@ def from_nnx(
     Args:
         model: the module, or a factory ``rngs -> module`` (then ``init(seed)`` builds a fresh one
             with ``nnx.Rngs(seed)``; with a module, ``init`` returns its current parameters).
-        layers: attribute path of the repeated layers (an ``nnx.List`` of modules of one structure),
-            e.g. ``"blocks"`` or ``"model.layers"``.
+        layers: attribute path of the repeated layers (an ``nnx.List`` of modules; they may differ in
+            static settings and in their parameters, see :attr:`StagedModel.layer_kinds` and
+            :attr:`StagedModel.layer_families`), e.g. ``"blocks"`` or ``"model.layers"``.
         embed: ``(module, batch) -> x``: the prologue, called on the model without its layers.
         head_loss: ``(module, x, batch) -> (loss_sum, weight)``, also on the model without its layers
             (:func:`token_loss` computes both from logits).
