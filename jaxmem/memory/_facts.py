@@ -823,38 +823,22 @@ def _lower_split(plan, stage, shared, x, batch, input_grad: bool) -> list:
     import jax
     import jax.numpy as jnp
 
-    from jaxmem.pipeline import stage_split
+    from jaxmem.pipeline import abstract_split
 
+    split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad)
     packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items() if n}
     ct = jax.tree_util.tree_unflatten(plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals])
-
-    def backward(stage, shared, batch, packed, ct):
-        x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
-        return plan.pullback(stage, shared, x_like, batch, packed)(ct)
-
     args = (stage, shared, batch, packed, ct)
-    split = stage_split(backward, *args, input_grad=input_grad)
-    avals = split.split.transfer_avals
-    places, sizes = [], {}
-    for a in avals:  # each transfer's arena (by dtype) and offset there, as the executor lays them out
-        name = np.dtype(a.dtype).name
-        places.append((name, sizes.get(name, 0)))
-        sizes[name] = sizes.get(name, 0) + int(np.prod(a.shape))
+    sizes = split.split.transfer_elems()
     arenas = {name: jax.ShapeDtypeStruct((n,), np.dtype(name)) for name, n in sizes.items()}
+    base = dict.fromkeys(sizes, 0)
 
     def i_part(args, arenas):
         d_x, transfers = split.input_grad(args)
-        arenas = dict(arenas)
-        for value, (name, off) in zip(transfers, places, strict=True):
-            arenas[name] = jax.lax.dynamic_update_slice_in_dim(arenas[name], jnp.ravel(value), off, 0)
-        return d_x, arenas
+        return d_x, split.hand_over(arenas, base, transfers)
 
     def w_part(args, arenas):
-        transfers = [
-            jax.lax.dynamic_slice_in_dim(arenas[name], off, int(np.prod(a.shape)), 0).reshape(a.shape)
-            for a, (name, off) in zip(avals, places, strict=True)
-        ]
-        return split.weight_grads(args, transfers)
+        return split.weight_grads(args, split.take_over(arenas, base))
 
     return [jax.jit(i_part, donate_argnums=1).lower(args, arenas), jax.jit(w_part).lower(args, arenas)]
 

@@ -24,7 +24,6 @@ import numpy as np
 
 from jaxmem._util import compiled_bytes, tree_bytes
 from jaxmem.policy import resolve
-from jaxmem.schedule import Kind
 
 __all__ = [
     "CATEGORIES",
@@ -144,7 +143,7 @@ def predict(
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
-    from jaxmem.pipeline import cell_classes, model_layer_counts, stash_rows
+    from jaxmem.pipeline import cell_classes, model_layer_counts, stash_rows, uses_split_backward
 
     model = get_model(model)
     facts = facts or model_facts(model)
@@ -190,7 +189,7 @@ def predict(
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
     # Split backwards (zero-bubble schedules, no tensor axis) also keep what each I hands its W.
-    splits = split_backward and tensor == 1 and any(a.kind is Kind.I for a in schedule.actions())
+    splits = split_backward and tensor == 1 and uses_split_backward(schedule)
     class_sizes, class_transfers, working, item = {}, {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]

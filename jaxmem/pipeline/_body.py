@@ -16,7 +16,6 @@ Three parts, each built where its inputs are known:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +107,7 @@ class StepBody:
         # Split backwards (I and W) share their work through the arenas (jaxmem.pipeline._iw):
         # whenever the tick program laid out what an I hands its W.
         self.split_backward = pipeline.splits_backward and not forward
+        self.transfer_arenas = {key[0]: i for i, key in enumerate(self.keys) if key[1] == TRANSFER_SPACE}  # by dtype
         if tick.table.max(initial=0) >= 2**31 or max(tick.arena_elems, default=0) >= 2**31:
             raise JaxmemError(
                 f"a stash arena of {max(tick.arena_elems):,} elements exceeds what int32 indexing reaches (2^31); "
@@ -343,12 +343,17 @@ class _Run:
         else:  # I runs the cotangents' chain once and hands W what its weight gradients read
             args = (params, shared_in, micro, current, ct)
             split = self.stage_split(c, plan, args)
+            by_dtype = {name: arenas[i] for name, i in body.transfer_arenas.items()}
+            base = {name: transfer_offs[i] for name, i in body.transfer_arenas.items()}
             if kind is Kind.I:
                 d_x, transfers = split.input_grad(args)
-                arenas = self.hand_over(arenas, transfers, transfer_offs)
+                written = split.hand_over(by_dtype, base, transfers)
+                arenas = list(arenas)
+                for name, i in body.transfer_arenas.items():
+                    arenas[i] = written[name]
+                arenas = tuple(arenas)
             else:
-                transfers = self.take_over(arenas, split.split.transfer_avals, transfer_offs)
-                d_params, d_shared = split.weight_grads(args, transfers)
+                d_params, d_shared = split.weight_grads(args, split.take_over(by_dtype, base))
         if not no_input_grad:
             message = vary_tree(d_x)
         if kind is not Kind.I:
@@ -374,32 +379,6 @@ class _Run:
                 )
             self.splits[c] = split
         return self.splits[c]
-
-    def _transfer_layout(self, avals):
-        """Per transfer, its arena and offset within its class's region there."""
-        keys = {key[0]: i for i, key in enumerate(self.body.keys) if key[1] == TRANSFER_SPACE}
-        used: dict[int, int] = {}
-        layout = []
-        for aval in avals:
-            ki = keys[np.dtype(aval.dtype).name]
-            layout.append((ki, used.get(ki, 0)))
-            used[ki] = used.get(ki, 0) + math.prod(aval.shape)
-        return layout
-
-    def hand_over(self, arenas, transfers, offs):
-        """I's transfers written in place into the transfer arenas at its transfer offsets."""
-        arenas = list(arenas)
-        for value, (ki, inner) in zip(transfers, self._transfer_layout([t.aval for t in transfers]), strict=True):
-            arenas[ki] = jax.lax.dynamic_update_slice_in_dim(arenas[ki], jnp.ravel(value), offs[ki] + inner, 0)
-        return tuple(arenas)
-
-    def take_over(self, arenas, avals, offs) -> list:
-        """W's transfers read back from the arenas."""
-        out = []
-        for aval, (ki, inner) in zip(avals, self._transfer_layout(avals), strict=True):
-            flat = jax.lax.dynamic_slice_in_dim(arenas[ki], offs[ki] + inner, math.prod(aval.shape), 0)
-            out.append(flat.reshape(aval.shape))
-        return out
 
     # ------------------------------------------------------------------ the ticks
     def read(self, buffers, slot):

@@ -61,13 +61,19 @@ class IWSplit:
     def transfer_avals(self) -> tuple:
         return tuple(v.aval for v in self.transfers)
 
-    def transfer_elems(self) -> dict[str, int]:
-        """Elements the transfers take per dtype (one stage-microbatch)."""
-        out: dict[str, int] = {}
+    def transfer_places(self) -> tuple[list[tuple[str, int]], dict[str, int]]:
+        """Where the transfers lie in their arenas, one per dtype: per transfer ``(dtype, offset)``
+        from its class's start there, in order; and the elements each dtype's take."""
+        places, used = [], {}
         for aval in self.transfer_avals:
             name = np.dtype(aval.dtype).name
-            out[name] = out.get(name, 0) + int(np.prod(aval.shape, dtype=np.int64))
-        return out
+            places.append((name, used.get(name, 0)))
+            used[name] = used.get(name, 0) + int(np.prod(aval.shape, dtype=np.int64))
+        return places, used
+
+    def transfer_elems(self) -> dict[str, int]:
+        """Elements the transfers take per dtype (one stage-microbatch)."""
+        return self.transfer_places()[1]
 
     def run_i(self, *inputs) -> tuple[list, list]:
         """I: ``(its outputs, the transfers)``."""
@@ -99,13 +105,14 @@ def _run(eqns, env) -> None:
     """Bind ``eqns`` in order over ``env`` (as ``jax.core.eval_jaxpr`` does, with each equation's
     context: its name stack and, e.g., its compute placement)."""
     for eqn in eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
-            ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **params)
-        if eqn.primitive.multiple_results:
-            env.update(zip(eqn.outvars, ans, strict=True))
-        else:
-            env[eqn.outvars[0]] = ans
+        env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars]), strict=True))
+
+
+def _bind(eqn, invals) -> list:
+    """One equation bound on ``invals`` in its context; its outputs as a list."""
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return outs if eqn.primitive.multiple_results else [outs]
 
 
 # Call-like primitives whose body is inlined before the partition (their parameter holding it).
@@ -125,9 +132,7 @@ def _eval_inlined(jaxpr, consts, args) -> list:
             inner, inner_consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
             outs = _eval_inlined(inner, inner_consts, invals)
         else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = _bind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [_read(env, v) for v in jaxpr.outvars]
 
@@ -170,7 +175,8 @@ def split_backward(closed, i_outputs, w_outputs, cotangent_inputs) -> IWSplit:
             on_ct.update(eqn.outvars)
     made_by_i = {v for i in i_set for v in eqns[i].outvars}
     w_set, given = _needed(eqns, [jaxpr.outvars[i] for i in w_outputs], stop=lambda v: v in made_by_i and v in on_ct)
-    transfers = tuple(sorted(given, key=lambda v: _order(eqns, v)))
+    position = {v: (i, k) for i, eqn in enumerate(eqns) for k, v in enumerate(eqn.outvars)}
+    transfers = tuple(sorted(given, key=lambda v: position[v]))
     return IWSplit(
         closed=closed,
         i_outputs=tuple(i_outputs),
@@ -179,13 +185,6 @@ def split_backward(closed, i_outputs, w_outputs, cotangent_inputs) -> IWSplit:
         w_eqns=tuple(eqns[i] for i in sorted(w_set)),
         transfers=transfers,
     )
-
-
-def _order(eqns, v) -> tuple[int, int]:
-    for i, eqn in enumerate(eqns):
-        if v in eqn.outvars:
-            return i, eqn.outvars.index(v)
-    return -1, 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -204,6 +203,24 @@ class StageSplit:
     def transfer_elems(self) -> dict[tuple[str, str], int]:
         """Per transfer arena ``(dtype, TRANSFER_SPACE)``, the elements I hands W."""
         return {(dtype, TRANSFER_SPACE): n for dtype, n in self.split.transfer_elems().items()}
+
+    def hand_over(self, arenas: dict, base: dict, transfers) -> dict:
+        """I's transfers written in place into their arenas (``arenas``: per dtype name, a flat
+        buffer; ``base``: per dtype, where this stage-microbatch's region starts)."""
+        arenas = dict(arenas)
+        for value, (name, off) in zip(transfers, self.split.transfer_places()[0], strict=True):
+            arenas[name] = jax.lax.dynamic_update_slice_in_dim(
+                arenas[name], jax.numpy.ravel(value), base[name] + off, 0
+            )
+        return arenas
+
+    def take_over(self, arenas: dict, base: dict) -> list:
+        """W's transfers read back out of their arenas (as :meth:`hand_over` wrote them)."""
+        places = self.split.transfer_places()[0]
+        return [
+            jax.lax.dynamic_slice_in_dim(arenas[name], base[name] + off, int(np.prod(a.shape)), 0).reshape(a.shape)
+            for a, (name, off) in zip(self.split.transfer_avals, places, strict=True)
+        ]
 
     def weight_grads(self, args, transfers) -> tuple[object, object]:
         """W: ``(d_params, d_shared)`` from the same arguments and I's transfers."""
