@@ -193,6 +193,70 @@ def test_offload_weights_keeps_stage_weights_on_host():
     assert kinds == {"pinned_host"}
 
 
+def _fetches_in_the_tick(pipe, batch, seq):
+    """The host-to-device fetches in the tick loop's body, as ``(inside an action, beside one)``: in
+    a cond whose branch runs matrix products (a stage's F or B), or in one that runs none."""
+    from jaxmem.pipeline import batch_spec
+
+    spec = batch_spec(batch, seq)
+    jaxpr = jax.make_jaxpr(pipe.grad_fn(spec))(pipe.abstract_params(), spec)
+
+    def walk(j, found):
+        for eqn in j.eqns:
+            found.append(eqn)
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, tuple) else (value,):
+                    inner = inner if hasattr(inner, "eqns") else getattr(inner, "jaxpr", None)
+                    if inner is not None and hasattr(inner, "eqns"):
+                        walk(inner, found)
+        return found
+
+    def is_fetch(eqn):
+        return eqn.primitive.name == "device_put" and "device" in str(eqn.params.get("devices", "")).lower()
+
+    scan = next(e for e in walk(jaxpr.jaxpr, []) if e.primitive.name == "scan")
+    inside = beside = 0
+    for eqn in scan.params["jaxpr"].jaxpr.eqns:
+        if eqn.primitive.name != "cond":
+            continue
+        for branch in eqn.params["branches"]:
+            inner = walk(branch.jaxpr, [])
+            fetches = sum(map(is_fetch, inner))
+            if any(e.primitive.name == "dot_general" for e in inner):
+                inside += fetches
+            else:
+                beside += fetches
+    return inside, beside
+
+
+def test_weights_on_host_are_fetched_an_action_ahead_beside_the_action_before():
+    """Issue 30: a stage's weights on host come to the device in the tick before the action that
+    uses them, outside that action's branch (so a GPU can overlap the copy with the action before),
+    and only when the rank's next action on host runs another stage."""
+    model = get_model("tiny", n_layers=4, max_seq_len=16)
+    interleaved = Pipeline(model, generate("interleaved-1f1b", 2, 2, 2), make_mesh(1, 2), policy="offload-weights")
+    inside, beside = _fetches_in_the_tick(interleaved, 4, 16)
+    assert inside == 0 and beside > 0, (inside, beside)
+    from jaxmem.pipeline._body import prefetch_columns
+    from jaxmem.pipeline._ticks import COLUMNS
+
+    tick, _ = interleaved.program(4, 16)
+
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    columns = prefetch_columns(tick.table, col, (0, 1))
+    for r in range(2):  # a fetch wherever the rank's next action runs the other stage
+        acting = [t for t in range(tick.num_ticks) if tick.table[r, t, col["branch"]]]
+        stages = [int(tick.table[r, t, col["local_stage"]]) for t in acting]
+        changes = [(t, b) for t, a, b in zip(acting, stages, stages[1:]) if a != b]
+        fetched = [(t, int(v)) for t, v in enumerate(columns[r, :, 0]) if v >= 0]
+        assert fetched == changes and columns[r, 0, 1] == stages[0]
+    # One stage a rank: fetched once, before the first tick.
+    one = Pipeline(model, generate("1f1b", 2, 4), make_mesh(1, 2), policy="offload-weights")
+    tick, _ = one.program(8, 16)
+    assert (prefetch_columns(tick.table, col, (0,))[..., 0] == -1).all()
+    # (Their gradients: test_every_preset_gives_plain_grad_gradients, offload-weights.)
+
+
 def _gpu_placements(policy):
     """The train step of ``policy`` lowered for a GPU (StableHLO; no GPU needed): the memory kinds of
     its in-program placements and of its arguments, counted."""

@@ -373,14 +373,22 @@ def step_costs(
         for s in range(schedule.num_stages)
         for m in range(schedule.num_microbatches)
     )
-    # Weights kept on host come to the device for every action that runs their stage (the executor
-    # fetches them inside the action), prefetched while the rank runs the action before it.
+    # Weights kept on host come to the device for a rank's action on their stage when its action
+    # before on a stage on host ran another stage (the executor's prefetch slot holds one stage),
+    # fetched while the rank runs the action before it.
     on_host = [resolved.offload_weights(s) for s in range(schedule.num_stages)]
     fetch_fn = None
     if any(on_host):
         shard = facts.static_bytes(ranks, 1, fsdp=fsdp, tensor=tensor).stage_params[0]  # one layer, per device
         fetch = [units[s] * shard if on_host[s] else 0.0 for s in range(schedule.num_stages)]
-        fetch_fn = lambda a: fetch[a.stage]  # noqa: E731
+        fetched = set()
+        for rank in range(ranks):
+            held = None
+            for action in schedule.actions(rank):
+                if on_host[action.stage] and action.stage != held:
+                    fetched.add(action)
+                    held = action.stage
+        fetch_fn = lambda a: fetch[a.stage] if a in fetched else 0.0  # noqa: E731
     return Costs(
         f=1.0,
         i=1.0,

@@ -246,6 +246,10 @@ def predict(
         weights -= static.stage_gathered_copy if cut else static.stage_gathered
         whole_grads -= static.stage_gathered
     transient += weights + whole_grads
+    # Weights on host: the prefetch slot holding the stage a rank runs and, where it runs two or more
+    # on host, the next one's weights arriving beside that action (jaxmem.pipeline._body.prefetch_columns).
+    fetched = [b for b, h in zip(static.stage_params, weights_host) if h]
+    transient += min(len(fetched), 2) * max(fetched, default=0.0)
     # The update brings offloaded weights and optimizer state to the device (the train step's to_device)
     # after the backward, when the stash arenas are dead: that copy is the transient peak when it is
     # larger than the stash and the backward's working set together.

@@ -88,6 +88,25 @@ def _finish(g, p: LeafPlacement, scale, whole: bool = False):
     return (g * scale).astype(g.dtype)
 
 
+def prefetch_columns(table: np.ndarray, col: dict, host_stages) -> np.ndarray:
+    """``[ranks, ticks, 2]``: per tick, the local stage (on host) whose weights the rank fetches,
+    beside the tick's action, for its next action on such a stage: at the ticks of its actions on
+    stages on host whose next such action runs another stage, else -1 (the slot keeps what it
+    holds); and, constant, the stage the rank's first such action runs (fetched before the first
+    tick)."""
+    ranks, ticks = table.shape[:2]
+    out = np.full((ranks, ticks, 2), -1, np.int64)
+    for r in range(ranks):
+        acting = (table[r, :, col["branch"]] != 0) & np.isin(table[r, :, col["local_stage"]], host_stages)
+        times = [t for t in range(ticks) if acting[t]]
+        stages = [int(table[r, t, col["local_stage"]]) for t in times]
+        for t, prev, nxt in zip(times, stages, stages[1:]):
+            if nxt != prev:  # fetched beside the action before, as the cost model has it
+                out[r, t, 0] = nxt
+        out[r, :, 1] = stages[0] if stages else -1
+    return out
+
+
 class StepBody:
     """The body of one pipelined program: ``body(stage_params, shared, vocab, batch, table, vocab_table,
     rng)`` inside ``shard_map``, giving ``loss`` (``forward``) or ``(loss, grads, shared_grads,
@@ -113,7 +132,6 @@ class StepBody:
                 f"a stash arena of {max(tick.arena_elems):,} elements exceeds what int32 indexing reaches (2^31); "
                 "use more pipeline stages or microbatches (smaller microbatches), or a recompute policy"
             )
-        self.table = jnp.asarray(tick.table.astype(np.int32))
         self.message_spec = pipeline.message_spec(spec)
         # The cotangent of every microbatch's loss_sum: 1 / (the global batch's target count, or its
         # example count), so that unweighted gradients come out exactly as the mean loss's; weighted
@@ -125,6 +143,13 @@ class StepBody:
         # the master weights' dtypes.
         placement = pipeline.placement
         self.abstract, self.master = pipeline.stage_abstract(), pipeline.abstract_params()
+        # Weights on host come to the device one action ahead (prefetch_columns): two more columns.
+        self.host_stages = tuple(v for v, h in enumerate(pipeline.weights_on_host) if h)
+        table = tick.table
+        if self.prefetches(pipeline):
+            table = np.concatenate([table, prefetch_columns(table, self.col, self.host_stages)], axis=-1)
+            self.col["prefetch"], self.col["prefetch_first"] = table.shape[-1] - 2, table.shape[-1] - 1
+        self.table = jnp.asarray(table.astype(np.int32))
         self.stage_places = [jax.tree.leaves(t, is_leaf=_is_placement) for t in placement.stages]
         self.shared_places = jax.tree.leaves(placement.shared, is_leaf=_is_placement)
         self.vocab_places = jax.tree.leaves(placement.vocab, is_leaf=_is_placement)
@@ -147,6 +172,18 @@ class StepBody:
         self.first_rank = schedule.stage_to_rank[0]
         self.last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
         self.vocab_size = _vocab_size(pipeline.model) if self.vocab_split is not None else 0
+
+    def prefetches(self, pipeline) -> bool:
+        """Whether the weights on host are fetched an action ahead, into one loop-carried slot: when
+        some are, and every local stage on host has the same shapes (else each action fetches its
+        own, inside its branch)."""
+        if not self.host_stages:
+            return False
+        avals = {
+            tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(self.abstract.stages[v])) for v in self.host_stages
+        }
+        structures = {jax.tree.structure(self.abstract.stages[v]) for v in self.host_stages}
+        return len(avals) == 1 and len(structures) == 1
 
     def cut_arena(self, c: StageClass, plan: ResidualPlan) -> CutArena | None:
         """Where class ``c``'s residuals sit in the cut arenas (None: no tensor axis)."""
@@ -176,6 +213,7 @@ class _Run:
         self.zero = vary(jnp.zeros((), jnp.float32))
         # A stage whose policy keeps its weights gathered gathers them once, here, before the ticks.
         self.kept = [self.gathered_params(v) if keep else None for v, keep in enumerate(pipeline.kept_gathered)]
+        self.slot = None  # with a prefetch: the tick's weights from host, set by each tick
         first_mb = self.with_key(jax.tree.map(lambda a: a[0], self.batch), 0, 0)
         # Trace the residual plans again here, with this program's (varying) types.
         abstract = body.abstract
@@ -204,15 +242,33 @@ class _Run:
         self.ends = None if body.vocab_split is None else _VocabEnds(self)
 
     # ------------------------------------------------------------------ what a stage reads
-    def gathered_params(self, v):
-        """Local stage ``v``'s parameters on the device, whole (gathered over ``fsdp``)."""
+    def gathered_params(self, v, fetched=None):
+        """Local stage ``v``'s parameters on the device, whole (gathered over ``fsdp``); ``fetched``:
+        its weights on host already brought to the device (the prefetch slot)."""
         pipeline = self.body.pipeline
-        params = to_device(self.stage_params[v]) if pipeline.weights_on_host[v] else self.stage_params[v]
+        params = self.stage_params[v]
+        if pipeline.weights_on_host[v]:
+            params = to_device(params) if fetched is None else fetched
         leaves, treedef = jax.tree.flatten(params)
         return treedef.unflatten([_gather(a, p, 1) for a, p in zip(leaves, self.body.stage_places[v])])
 
     def device_params(self, v):
-        return self.kept[v] if self.body.pipeline.kept_gathered[v] else self.gathered_params(v)
+        if self.body.pipeline.kept_gathered[v]:
+            return self.kept[v]
+        return self.gathered_params(v, self.slot if self.body.pipeline.weights_on_host[v] else None)
+
+    def fetch(self, slot, stage):
+        """``slot`` holding the weights of local ``stage`` (on host) brought to the device; unchanged
+        where ``stage`` is -1. One two-way cond per stage on host: its other side keeps the slot in
+        place."""
+        for v in self.body.host_stages:
+            slot = jax.lax.cond(
+                stage == v,
+                lambda s, v=v: jax.tree.map(lambda a, b: vary_like(a, b), to_device(self.stage_params[v]), s),
+                lambda s: s,
+                slot,
+            )
+        return slot
 
     def whole_like(self, tree):
         """Zeros of the whole (unsharded) shapes: for tracing, and for the shared leaves a stage does
@@ -391,7 +447,8 @@ class _Run:
         """One tick: this rank's action, the split vocabulary's ends, then the messages sent on."""
         body, col, ends = self.body, self.body.col, self.ends
         row, vocab_row = rows
-        act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals = carry
+        act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals, slot = carry
+        self.slot = slot
         micro = self.with_key(
             self.read(self.batch, row[col["microbatch"]]), row[col["microbatch"]], row[col["local_stage"]]
         )
@@ -412,6 +469,8 @@ class _Run:
                 row[col["branch"]] == b, self.branches[b - 1], lambda s, *_: s, state, offs, x_in, g_in, micro
             )
         message, arenas, grads, shared_grads, totals = state
+        if slot is not None and len(body.host_stages) > 1:  # the next stage's weights, beside this action
+            slot = self.fetch(slot, row[col["prefetch"]])
         if ends is not None and body.forward:
             totals = ends.head_loss(totals, message, vocab_row[2])
         elif ends is not None:
@@ -428,7 +487,17 @@ class _Run:
             act_col, grad_col = body.tick.recv_columns(k)
             act_buf = self.write(act_buf, incoming, row[act_col])
             grad_buf = self.write(grad_buf, incoming, row[grad_col])
-        return (act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals), None
+        return (act_buf, grad_buf, arenas, grads, shared_grads, vocab_grads, totals, slot), None
+
+    def first_slot(self, table):
+        """The prefetch slot before the first tick: the weights of the rank's first action on a stage
+        on host (None: no prefetch)."""
+        body = self.body
+        if "prefetch" not in body.col:
+            return None
+        like = body.abstract.stages[body.host_stages[0]]
+        empty = jax.tree.map(lambda a: vary(jnp.zeros(a.shape[1:], a.dtype)), like)
+        return self.fetch(empty, table[0, body.col["prefetch_first"]])
 
     def scan(self, table_local, vocab_table):
         """The ticks over this rank's rows of the table (``table_local``: ``[1, ticks, columns]``), from
@@ -468,9 +537,10 @@ class _Run:
             shared_grads,
             vocab_grads,
             (self.zero, self.zero),
+            self.first_slot(table_local[0]),
         )
         carry, _ = jax.lax.scan(self.tick, carry, (table_local[0], vocab_table))
-        _, _, _, grads, shared_grads, vocab_grads, (loss_sum, weight) = carry
+        _, _, _, grads, shared_grads, vocab_grads, (loss_sum, weight), _ = carry
         loss_sum = jax.lax.psum(loss_sum, AXES)
         weight = jax.lax.psum(weight, AXES)
         if body.forward:

@@ -5,6 +5,7 @@ from jaxmem.policy._chronos import MOVE_SPECS as MOVE_SPECS
 from jaxmem.policy._chronos import ChronosChoice as ChronosChoice
 from jaxmem.policy._chronos import Move as Move
 from jaxmem.policy._chronos import chronos_policy as chronos_policy
+from jaxmem.policy._chronos import peak_order as peak_order
 from jaxmem.policy._chronos import reuse_distances as reuse_distances
 from jaxmem.policy._policy import BASES as BASES
 from jaxmem.policy._policy import KEEP_GATHERED as KEEP_GATHERED

@@ -23,8 +23,10 @@ The paper's exact rules were not available to us; this is our reconstruction, on
     refines by the layers' inputs),
   * optimizer state on host (read and written back by the update, after the tick loop: nothing
     overlaps it),
-  * weights on host (fetched for every action that runs the stage, overlapped with the rank's
-    action before it, and read and written back by the update);
+  * weights on host (fetched into the rank's prefetch slot for an action whose stage is not the
+    one the slot holds, overlapped with the rank's action before it, and read and written back by
+    the update; the slot and the weights arriving beside it hold two stages, so where a rank runs
+    two stages the move frees nothing and is not offered);
 - moves are applied cheapest per byte first; within a cell move, the longest-waiting cells go first,
   and a binary search finds how few are needed; a move is used fully before the next one starts.
 
@@ -35,12 +37,15 @@ all of them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
+
+import numpy as np
 
 from jaxmem.policy._policy import PRESETS, Policy
 from jaxmem.schedule import simulate
 
-__all__ = ["MOVE_SPECS", "ChronosChoice", "Move", "chronos_policy", "reuse_distances"]
+__all__ = ["MOVE_SPECS", "ChronosChoice", "Move", "chronos_policy", "peak_order", "reuse_distances"]
 
 SAVE = PRESETS["save-all"]
 CELL_POLICIES = {
@@ -63,6 +68,71 @@ def reuse_distances(schedule, costs) -> list[tuple[float, int, int]]:
         for m in range(schedule.num_microbatches)
     ]
     return sorted(cells, key=lambda c: (-c[0], c[1], c[2]))
+
+
+def peak_order(
+    schedule, cells: list[tuple[int, int]], layers, done: dict, live: Callable[[dict], list[float]]
+) -> list[list[tuple[tuple[int, int], int]]]:
+    """The recompute-layers units ``((stage, microbatch), j)`` -- layer j of the cell recomputed whole
+    -- in groups, one per (stage, j), in the order that lowers the highest rank's stash first.
+
+    A group gives layer j to every cell of one stage that has not recomputed it (longest wait first,
+    the order of ``cells``), so that a stage's cells stay of one class, which share their stash
+    slots: cells of one stage at several depths of recompute share them less well, and the stash
+    is then not monotone in the units taken. A rank's groups come in turn over its stages, layer 1
+    of each, then layer 2. The ranks take turns by water filling: the next group goes to the rank
+    whose stash, estimated, is the highest. ``live(recomputed)`` gives each rank's stash bytes
+    with ``recomputed`` layers per cell (the ledger's per-rank stash); a group is estimated to free
+    on its rank what one layer of every cell freed there, per cell. ``done``: layers already
+    recomputed per cell."""
+    ranks = schedule.num_ranks
+    queues: list[list[list]] = [[] for _ in range(ranks)]
+    for j in range(1, max(layers, default=0) + 1):
+        for stage in sorted({c[0] for c in cells}):
+            group = [(c, j) for c in cells if c[0] == stage and done.get(c, 0) < j <= layers[stage]]
+            if group:
+                queues[schedule.stage_to_rank[stage]].append(group)
+    nxt = {c: done.get(c, 0) + 1 for c in cells if done.get(c, 0) < layers[c[0]]}
+    before = np.asarray(live(dict(done)), dtype=float)
+    after = np.asarray(live({**done, **nxt}), dtype=float)
+    counts = np.bincount([schedule.stage_to_rank[c[0]] for c in nxt], minlength=ranks).astype(float)
+    per_cell = np.where(counts > 0, (before - after) / np.maximum(counts, 1), 0.0)
+    estimate = before.copy()
+    heads = [0] * ranks
+    order = []
+    while True:
+        open_ranks = [r for r in range(ranks) if heads[r] < len(queues[r])]
+        if not open_ranks:
+            return order
+        r = max(open_ranks, key=lambda r: (estimate[r], -r))
+        group = queues[r][heads[r]]
+        order.append(group)
+        heads[r] += 1
+        estimate[r] -= per_cell[r] * len(group)
+
+
+def _fewest_units(groups: list[list], done: dict, fits: Callable[[dict], bool]):
+    """``(k, units, with_units)``: the fewest of the ``groups``' units, in order, with which
+    ``fits(recomputed layers per cell)`` (k None: not even all of them); ``with_units(n)``, the
+    layers per cell after the first n. Whole groups are searched first (the stash falls with
+    them), then the units inside the group that first fits (cells of one stage at two depths of
+    recompute share their stash slots less well: it need not fall with each)."""
+    units = [unit for group in groups for unit in group]
+
+    def with_units(n: int) -> dict:
+        recomputed = dict(done)
+        for cell, j in units[:n]:
+            recomputed[cell] = max(recomputed.get(cell, 0), j)
+        return recomputed
+
+    ends = [0, *itertools.accumulate(len(g) for g in groups)]
+    i = _smallest_prefix(len(ends) - 1, lambda i: fits(with_units(ends[i])))
+    k = None if i is None else ends[i]
+    if i:
+        lo = ends[i - 1]
+        inner = _smallest_prefix(k - lo, lambda n: fits(with_units(lo + n)))
+        k = k if inner is None else lo + inner
+    return k, units, with_units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +193,7 @@ def chronos_policy(
     stash_seconds_round_trip: Callable[[int, int], float],
     name: str = "chronos",
     layers=None,
+    live_stash: Callable[[Policy], list[float]] | None = None,
 ) -> ChronosChoice:
     """Apply memory moves, cheapest per byte first, until ``device_bytes(policy) <= budget``.
 
@@ -132,6 +203,8 @@ def chronos_policy(
         moves: the moves allowed, with their cost per byte (see module doc).
         stash_seconds_round_trip: offload + prefetch time of a cell's stash on the host link.
         layers: each stage's layers (for ``recompute-layers``; without them that move is skipped).
+        live_stash: each rank's own stash bytes under a policy (the ledger's); with it,
+            ``recompute-layers`` aims at the ranks holding the most (:func:`peak_order`).
     """
     order = reuse_distances(schedule, costs)
     moves = sorted(moves, key=lambda m: m.seconds_per_byte)
@@ -184,20 +257,21 @@ def chronos_policy(
         if move.name == "recompute-layers":
             if layers is None:
                 continue
-            # One layer of one cell per unit: every cell's next layer, longest waits first, then the next.
+            # One layer of one cell per unit, in groups: every cell's next layer, longest waits
+            # first; with the ranks' stash also a stage's next layer on the rank holding the most
+            # (peak_order), and the order that fits with fewer layers is kept.
             cells = [(s, m) for _, s, m in order if cell_level.get((s, m)) != "recompute-all"]
-            units = [(cell, j) for j in range(1, max(layers) + 1) for cell in cells if j <= layers[cell[0]]]
 
-            def with_units(n: int, units=units, done=cell_layers) -> dict:
-                recomputed = dict(done)
-                for cell, j in units[:n]:
-                    recomputed[cell] = max(recomputed.get(cell, 0), j)
-                return recomputed
+            def with_layers(recomputed: dict, levels=cell_level, state=flags) -> Policy:
+                return build(levels, state, recomputed)
 
-            def units_fit(n: int, with_units=with_units, levels=cell_level, state=flags) -> bool:
-                return device_bytes(build(levels, state, with_units(n))) <= budget
-
-            k = _smallest_prefix(len(units), units_fit)
+            orders = [[[(cell, j) for cell in cells if j <= layers[cell[0]]] for j in range(1, max(layers) + 1)]]
+            if live_stash is not None:
+                live = lambda recomputed: live_stash(with_layers(recomputed))  # noqa: E731
+                orders.append(peak_order(schedule, cells, layers, cell_layers, live))
+            fits = lambda recomputed: device_bytes(with_layers(recomputed)) <= budget  # noqa: E731
+            found = [_fewest_units(groups, cell_layers, fits) for groups in orders]
+            k, units, with_units = min(found, key=lambda f: (f[0] is None, f[0] or 0))
             cell_layers = with_units(len(units) if k is None else k)
             applied[move.name] = len(units) if k is None else k
             if k is not None:

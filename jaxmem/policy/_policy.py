@@ -126,7 +126,11 @@ class StagePolicy:
             its older name).
         tags: per-tag overrides of the base, ``(tag, decision)`` pairs (a mapping is accepted).
         offload_stash: keep this stage's whole stash (everything saved between F and B) on host.
-        offload_weights: keep the stage's weights on host between steps, fetched when used.
+        offload_weights: keep the stage's weights on host between steps. In the step they come to
+            the device an action ahead, into a slot that holds the stage the rank runs, beside the
+            action before (a copy a GPU overlaps with it); two stages' weights are on the device
+            while the next one arrives, so during the ticks this frees memory only where a rank
+            runs three or more stages (interleaved with V >= 3).
         offload_optimizer_state: keep the stage's optimizer state on host between steps.
         keep_gathered: under FSDP, gather the stage's weights once per step and keep them (and their
             gradient, whole) until the step's end, instead of gathering for every action and

@@ -10,6 +10,7 @@ says so and gives the smallest budget that would fit one of the candidates.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -190,9 +191,10 @@ def chronos_moves(run, allowed, base=None) -> list:
     """The memory moves with their price in seconds per byte saved, each read from the one estimator:
     ``run(policy)`` (:func:`jaxmem.memory.estimate` of the configuration under a policy) with the
     move applied to every stage and microbatch, against save-all (``base``, when the caller has its
-    estimate already) -- the step's extra seconds over the device bytes it frees. ``offload-stash``
-    is priced 0: the generator offloads only cells whose wait hides the round trip, and the
-    simulator charges whatever does not hide."""
+    estimate already) -- the step's extra seconds over the device bytes it frees; a move that frees
+    none is left out (weights on host where a rank runs two stages: its prefetch slot and the
+    weights arriving beside it hold both). ``offload-stash`` is priced 0: the generator offloads
+    only cells whose wait hides the round trip, and the simulator charges whatever does not hide."""
     from jaxmem.policy import MOVE_SPECS, Move
 
     base = base if base is not None else run("save-all")
@@ -202,8 +204,9 @@ def chronos_moves(run, allowed, base=None) -> list:
             moves.append(Move(name, 0.0))
             continue
         moved = run(MOVE_SPECS.get(name, name))
-        saved = max(base.device_bytes - moved.device_bytes, 1.0)
-        moves.append(Move(name, max(moved.step_seconds - base.step_seconds, 0.0) / saved))
+        saved = base.device_bytes - moved.device_bytes
+        if saved > 0:  # not offered where it frees nothing (weights on host with two stages a rank)
+            moves.append(Move(name, max(moved.step_seconds - base.step_seconds, 0.0) / saved))
     return moves
 
 
@@ -276,8 +279,15 @@ def evaluate(
             ).stash_bytes("device")
             return 2 * stash / hardware.host_share
 
+        @functools.lru_cache(maxsize=64)
+        def ledger(policy):
+            return predict(model, schedule, policy, **layout)
+
         def device_bytes(policy) -> float:
-            return predict(model, schedule, policy, **layout).max_device_bytes
+            return ledger(policy).max_device_bytes
+
+        def live_stash(policy) -> list[float]:
+            return [r.live_stash_bytes for r in ledger(policy).ranks]
 
         all_moves = chronos_moves(run, CHRONOS_MOVES[policy_name], base)
 
@@ -292,6 +302,7 @@ def evaluate(
                 stash_seconds_round_trip=round_trip,
                 name=policy_name,
                 layers=counts,
+                live_stash=live_stash,
             )
             return choice, run(choice.policy)
 
@@ -313,7 +324,7 @@ def evaluate(
         # stash offload (priced free cell by cell, its transfers queue on one link when many cells
         # offload: 67 cells of gpt2-xl width at 464 layers waited 2.8 s a step).
         for state_move in ("offload-optimizer-state", "offload-weights"):
-            if state_move in CHRONOS_MOVES[policy_name]:
+            if any(m.name == state_move for m in all_moves):  # allowed, and frees something
                 moves = CHRONOS_MOVES[policy_name]
                 tried.append(generate(moves, first=(state_move,)))
                 tried.append(generate(tuple(m for m in moves if m != "offload-stash"), first=(state_move,)))
