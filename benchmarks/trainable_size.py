@@ -134,9 +134,55 @@ def _at_the_papers_depth(base, one_layers, args, hardware):
         "step_seconds": e.step_seconds,
         "state_transfer_seconds": e.state_transfer_seconds,
         "device_bytes": e.device_bytes,
+        "update_overlap_bound": _update_overlap_bound(config, schedule, cand.policy, counts, e, hardware),
     }
     print(f"at the paper's depth ({layers} layers): {row}", file=sys.stderr)
     return row
+
+
+def _update_overlap_bound(config, schedule, policy, counts, e, hardware) -> dict:
+    """What the update's host traffic would cost if it were streamed per stage and overlapped, as far
+    as the simulated timeline allows (the executor does not do this: its update runs after the tick
+    loop): each stage's optimizer state (and weights) on host read and written back on its rank's
+    link, sequentially, starting when the stage's last action ends -- ``in_step``: by the step's
+    end; ``deferred``: by the stage's first action of the next step (its weights are needed then).
+    The exposed seconds are what no compute hides, the worst rank's. A bound for the best such an
+    executor could do, not a prediction of one."""
+    from jaxmem.memory import model_facts
+    from jaxmem.models import get_model
+    from jaxmem.policy import resolve
+
+    facts = model_facts(get_model(config))
+    resolved = resolve(policy, schedule, get_model(config).tags)
+    one = facts.static_bytes(schedule.num_ranks, 1)
+    units = facts.stage_units(counts)
+    sim = e.simulation
+    makespan = sim.makespan
+
+    def seconds(stage):  # read and write back, at the rank's share of the link
+        total = 2 * units[stage] * one.stage_state[0] * 2 if resolved.offload_optimizer_state(stage) else 0.0
+        total += 2 * units[stage] * one.stage_params[0] if resolved.offload_weights(stage) else 0.0
+        return total / hardware.host_share
+
+    exposed = {"in_step": 0.0, "deferred": 0.0}
+    for rank in range(schedule.num_ranks):
+        stages = schedule.stages_of(rank)
+        last = {s: max(t for a, t in sim.finish.items() if a.stage == s) for s in stages}
+        first = {s: min(t for a, t in sim.start.items() if a.stage == s) for s in stages}
+        free = 0.0
+        late_in_step = late_deferred = 0.0
+        for s in sorted(stages, key=last.get):
+            free = max(free, last[s]) + seconds(s)
+            late_in_step = max(late_in_step, free - makespan)
+            late_deferred = max(late_deferred, free - (makespan + first[s]))
+        exposed["in_step"] = max(exposed["in_step"], late_in_step)
+        exposed["deferred"] = max(exposed["deferred"], late_deferred)
+    return {
+        "after_the_loop_seconds": e.state_transfer_seconds,
+        "exposed_seconds_streamed_in_step": exposed["in_step"],
+        "exposed_seconds_streamed_deferred": exposed["deferred"],
+        "tick_loop_seconds": makespan,
+    }
 
 
 def _scale_working_set(scale: float) -> None:
