@@ -192,9 +192,9 @@ def _scale_working_set(scale: float) -> None:
 
     compiled = ModelFacts._working
 
-    def scaled(self, first, last, layers, *args, **kwargs):
-        value = compiled(self, first, last, layers, *args, **kwargs)
-        return value if value is None or layers > 2 else value * scale
+    def scaled(self, first, last, fams, *args, **kwargs):  # fams: the stage's layers' families
+        value = compiled(self, first, last, fams, *args, **kwargs)
+        return value if value is None or len(fams) > 2 else value * scale
 
     ModelFacts._working = scaled
 
