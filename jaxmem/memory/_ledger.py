@@ -247,7 +247,8 @@ def predict(
         whole_grads -= static.stage_gathered
     transient += weights + whole_grads
     # Weights on host: the prefetch slot holding the stage a rank runs and, where it runs two or more
-    # on host, the next one's weights arriving beside that action (jaxmem.pipeline._body.prefetch_columns).
+    # on host, the next one's weights arriving beside that action (jaxmem.pipeline._body.prefetch_columns;
+    # where its stages on host differ in shape, each action fetches its own, and this is a bound).
     fetched = [b for b, h in zip(static.stage_params, weights_host) if h]
     transient += min(len(fetched), 2) * max(fetched, default=0.0)
     # The update brings offloaded weights and optimizer state to the device (the train step's to_device)

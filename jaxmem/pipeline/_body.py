@@ -144,9 +144,12 @@ class StepBody:
         placement = pipeline.placement
         self.abstract, self.master = pipeline.stage_abstract(), pipeline.abstract_params()
         # Weights on host come to the device one action ahead (prefetch_columns): two more columns.
-        self.host_stages = tuple(v for v, h in enumerate(pipeline.weights_on_host) if h)
+        # (A stage kept gathered under FSDP fetches its weights once, before the ticks.)
+        self.host_stages = tuple(
+            v for v, (h, kept) in enumerate(zip(pipeline.weights_on_host, pipeline.kept_gathered)) if h and not kept
+        )
         table = tick.table
-        if self.prefetches(pipeline):
+        if self.prefetches():
             table = np.concatenate([table, prefetch_columns(table, self.col, self.host_stages)], axis=-1)
             self.col["prefetch"], self.col["prefetch_first"] = table.shape[-1] - 2, table.shape[-1] - 1
         self.table = jnp.asarray(table.astype(np.int32))
@@ -173,7 +176,7 @@ class StepBody:
         self.last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
         self.vocab_size = _vocab_size(pipeline.model) if self.vocab_split is not None else 0
 
-    def prefetches(self, pipeline) -> bool:
+    def prefetches(self) -> bool:
         """Whether the weights on host are fetched an action ahead, into one loop-carried slot: when
         some are, and every local stage on host has the same shapes (else each action fetches its
         own, inside its branch)."""
