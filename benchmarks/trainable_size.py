@@ -148,21 +148,14 @@ def _update_overlap_bound(config, schedule, policy, counts, e, hardware) -> dict
     end; ``deferred``: by the stage's first action of the next step (its weights are needed then).
     The exposed seconds are what no compute hides, the worst rank's. A bound for the best such an
     executor could do, not a prediction of one."""
-    from jaxmem.memory import model_facts
+    from jaxmem.memory import stage_update_seconds
     from jaxmem.models import get_model
     from jaxmem.policy import resolve
 
-    facts = model_facts(get_model(config))
     resolved = resolve(policy, schedule, get_model(config).tags)
-    one = facts.static_bytes(schedule.num_ranks, 1)
-    units = facts.stage_units(counts)
+    seconds = stage_update_seconds(config, schedule, resolved, counts, hardware)  # read and written back
     sim = e.simulation
     makespan = sim.makespan
-
-    def seconds(stage):  # read and write back, at the rank's share of the link
-        total = 2 * units[stage] * one.stage_state[0] * 2 if resolved.offload_optimizer_state(stage) else 0.0
-        total += 2 * units[stage] * one.stage_params[0] if resolved.offload_weights(stage) else 0.0
-        return total / hardware.host_share
 
     exposed = {"in_step": 0.0, "deferred": 0.0}
     for rank in range(schedule.num_ranks):
@@ -172,7 +165,7 @@ def _update_overlap_bound(config, schedule, policy, counts, e, hardware) -> dict
         free = 0.0
         late_in_step = late_deferred = 0.0
         for s in sorted(stages, key=last.get):
-            free = max(free, last[s]) + seconds(s)
+            free = max(free, last[s]) + seconds[s]
             late_in_step = max(late_in_step, free - makespan)
             late_deferred = max(late_deferred, free - (makespan + first[s]))
         exposed["in_step"] = max(exposed["in_step"], late_in_step)

@@ -15,6 +15,7 @@ from jaxmem.memory._cost import get_hardware as get_hardware
 from jaxmem.memory._cost import gradient_sync_seconds as gradient_sync_seconds
 from jaxmem.memory._cost import shared_core_step_seconds as shared_core_step_seconds
 from jaxmem.memory._cost import shared_core_terms as shared_core_terms
+from jaxmem.memory._cost import stage_update_seconds as stage_update_seconds
 from jaxmem.memory._cost import state_transfer_seconds as state_transfer_seconds
 from jaxmem.memory._cost import step_costs as step_costs
 from jaxmem.memory._facts import ModelFacts as ModelFacts

@@ -76,6 +76,7 @@ __all__ = [
     "gradient_sync_seconds",
     "shared_core_step_seconds",
     "shared_core_terms",
+    "stage_update_seconds",
     "state_transfer_seconds",
     "step_costs",
 ]
@@ -403,6 +404,40 @@ def step_costs(
     )
 
 
+def stage_update_seconds(
+    model,
+    schedule: Schedule,
+    resolved,
+    layer_counts,
+    hardware,
+    optimizer_moments: int = 2,
+    facts=None,
+    *,
+    data_parallel: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    zero: bool = True,
+) -> tuple[float, ...]:
+    """Per stage, seconds of the update's host traffic on its rank's link: its weights on host read
+    and the new values written back, its optimizer state on host (the moments) read and written
+    back; each device's share of them (cut over fsdp, tensor and, for the state, ZeRO), at its
+    share of the host link. Arguments as :func:`state_transfer_seconds`."""
+    from jaxmem.memory._facts import model_facts
+    from jaxmem.models import get_model
+
+    facts = facts or model_facts(get_model(model))
+    hardware = get_hardware(hardware)
+    one = facts.static_bytes(schedule.num_ranks, 1, data=data_parallel, fsdp=fsdp, tensor=tensor, zero=zero)
+    weights, state = one.stage_params[0], optimizer_moments * one.stage_state[0]  # one layer, per device
+    units = facts.stage_units(layer_counts)
+
+    def stage_bytes(stage: int) -> float:
+        total = 2 * units[stage] * weights if resolved.offload_weights(stage) else 0.0
+        return total + (2 * units[stage] * state if resolved.offload_optimizer_state(stage) else 0.0)
+
+    return tuple(stage_bytes(s) / hardware.host_share for s in range(schedule.num_stages))
+
+
 def state_transfer_seconds(
     model,
     schedule: Schedule,
@@ -417,31 +452,24 @@ def state_transfer_seconds(
     tensor: int = 1,
     zero: bool = True,
 ) -> float:
-    """Seconds of the update's host traffic, the slowest rank's: the executor's update runs after the
-    tick loop, so nothing overlaps it. Per stage whose weights are on host, they are read and the
-    new values written back; per stage whose optimizer state is on host, its moments are read and
-    written back; each device's share of them (cut over fsdp, tensor and, for the state, ZeRO), at
-    its share of the host link. The weights' fetches for each action are not here: the simulator
-    overlaps them with the action before (:func:`step_costs`)."""
-    from jaxmem.memory._facts import model_facts
-    from jaxmem.models import get_model
-
-    facts = facts or model_facts(get_model(model))
-    hardware = get_hardware(hardware)
-    one = facts.static_bytes(schedule.num_ranks, 1, data=data_parallel, fsdp=fsdp, tensor=tensor, zero=zero)
-    weights, state = one.stage_params[0], optimizer_moments * one.stage_state[0]  # one layer, per device
-    units = facts.stage_units(layer_counts)
-
-    def rank_bytes(rank: int) -> float:
-        total = 0.0
-        for stage in schedule.stages_of(rank):
-            if resolved.offload_weights(stage):
-                total += 2 * units[stage] * weights
-            if resolved.offload_optimizer_state(stage):
-                total += 2 * units[stage] * state
-        return total
-
-    return max(rank_bytes(r) for r in range(schedule.num_ranks)) / hardware.host_share
+    """Seconds of the update's host traffic, the slowest rank's (its stages'
+    :func:`stage_update_seconds` in turn): the executor's update runs after the tick loop, so
+    nothing overlaps it. The weights' fetches for the actions are not here: the simulator overlaps
+    them with the action before (:func:`step_costs`)."""
+    seconds = stage_update_seconds(
+        model,
+        schedule,
+        resolved,
+        layer_counts,
+        hardware,
+        optimizer_moments,
+        facts,
+        data_parallel=data_parallel,
+        fsdp=fsdp,
+        tensor=tensor,
+        zero=zero,
+    )
+    return max(sum(seconds[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
 
 
 def gradient_sync_seconds(

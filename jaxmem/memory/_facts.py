@@ -360,28 +360,34 @@ class ModelFacts:
         split over the ranks, so the first stage starts from its looked-up rows and the last ends before
         the head's projection, see :meth:`vocab_flops`). ``families``: the parameter family of each
         of its ``layers`` (:meth:`stage_families`), for a model whose layers differ in them."""
+        parts = self._parts(first, last, layers, policy, vocab, families)
+        rest, *ones = [self._per_sequence(f, la, fams, p, seq, v) for f, la, fams, p, v in parts]
+        if not ones:
+            return rest.scaled(microbatch)
+        # Their stashes and FLOPs add up. The working set: the larger part's, and one recomputed
+        # layer's more for each further layer recomputed -- XLA:CPU runs the repeats ahead of the
+        # backward and holds their values (the compiled tiny GPT step, 4 layers a stage, k = 1..4,
+        # selective and save-all: within 4.5%).
+        facts = rest
+        for one in ones:
+            facts = facts.combine(one, 1, 1)
+        largest = max(one.working_bytes for one in ones)
+        working = max(rest.working_bytes, largest) + sum(one.working_bytes for one in ones) - largest
+        return dataclasses.replace(facts, working_bytes=working).scaled(microbatch)
+
+    def _parts(self, first, last, layers, policy, vocab, families) -> list[tuple]:
+        """A stage as the parts it is composed of, ``(first, last, families, policy, vocab)`` each:
+        the stage under its policy and, with ``recompute_layers = k``, its first k layers recomputed
+        whole (jaxmem.pipeline.stage_forward) -- each a one-layer middle stage under recompute-all (it
+        keeps its input, repeats its forward) -- and the rest a stage of its own under the policy."""
         policy = _stage_only(policy)
         vocab = bool(vocab) and (first or last)
         fams = self._fams(layers, families)
         k = min(policy.recompute_layers, layers)
-        if k:
-            # The first k layers recomputed whole (jaxmem.pipeline.stage_forward): each is a one-layer
-            # middle stage under recompute-all (it keeps its input, repeats its forward), and the rest
-            # of the stage is a stage of its own under the policy: their stashes and FLOPs add up. The
-            # working set: the larger part's, and one recomputed layer's more for each further layer
-            # recomputed -- XLA:CPU runs the repeats ahead of the backward and holds their values (the
-            # compiled tiny GPT step, 4 layers a stage, k = 1..4, selective and save-all: within 4.5%).
-            base = dataclasses.replace(policy, recompute_layers=0)
-            rest = self._per_sequence(first, last, fams[k:], base, seq, vocab)
-            ones = [self._per_sequence(False, False, (f,), policy.whole_layer(), seq) for f in fams[:k]]
-            facts = rest
-            for one in ones:
-                facts = facts.combine(one, 1, 1)
-            largest = max(one.working_bytes for one in ones)
-            working = max(rest.working_bytes, largest) + sum(one.working_bytes for one in ones) - largest
-            return dataclasses.replace(facts, working_bytes=working).scaled(microbatch)
-        per_sequence = self._per_sequence(first, last, fams, policy, seq, vocab)
-        return per_sequence.scaled(microbatch)
+        if not k:
+            return [(first, last, fams, policy, vocab)]
+        rest = (first, last, fams[k:], dataclasses.replace(policy, recompute_layers=0), vocab)
+        return [rest] + [(False, False, (f,), policy.whole_layer(), False) for f in fams[:k]]
 
     def transfer_elems(
         self,
@@ -398,15 +404,9 @@ class ModelFacts:
         """Per device arena, the elements one stage-microbatch's I hands its W when the schedule
         splits its backward (:mod:`jaxmem.pipeline._iw`), from the same split the executor traces;
         composed over layers as :meth:`stage` is (arguments as its)."""
-        policy = _stage_only(policy)
-        vocab = bool(vocab) and (first or last)
-        fams = self._fams(layers, families)
-        k = min(policy.recompute_layers, layers)
-        parts = [
-            (self._transfers(first, last, fams[k:], dataclasses.replace(policy, recompute_layers=0), seq, vocab), 1)
-        ]
-        parts += [(self._transfers(False, False, (f,), policy.whole_layer(), seq), 1) for f in fams[:k]]
-        return {key: int(round(n * microbatch)) for key, n in _mixed(parts).items()}
+        parts = self._parts(first, last, layers, policy, vocab, families)
+        mixed = _mixed([(self._transfers(f, la, fams, p, seq, v), 1) for f, la, fams, p, v in parts])
+        return {key: int(round(n * microbatch)) for key, n in mixed.items()}
 
     def _transfers(self, first, last, fams, policy, seq, vocab=False) -> dict:
         key = ("transfers", first, last, fams, policy, seq, vocab)
