@@ -49,12 +49,13 @@ def time_steps(fn, state, batches, steps):
     return state, float(np.median(times))
 
 
-def plain_step_seconds(config_name, batch, seq, steps, seed=0, devices=1):
-    """The plain jitted train step, data parallel over ``devices`` (1: a single device)."""
+def plain_step(config_name, batch, seq, seed=0, devices=4, layers=None):
+    """The plain jitted train step, data parallel over ``devices`` (1: a single device), compiled:
+    ``(compiled, run, state, a batch, compile seconds)`` with ``run(state, batch) -> state``."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    model = get_model(config_name, n_layers=LAYERS)
+    model = get_model(config_name, n_layers=layers or LAYERS)
     optimizer = optax.adam(3e-3)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))  # auto sharding, as the pipeline's
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -77,14 +78,22 @@ def plain_step_seconds(config_name, batch, seq, steps, seed=0, devices=1):
         p, o, _ = compiled(state[0], state[1], b)
         return (p, o)
 
-    (params, opt_state), _ = time_steps(run, (params, opt_state), batches, 2)  # warm up
-    _, seconds = time_steps(run, (params, opt_state), batches, steps)
+    return compiled, run, (params, opt_state), batches, compile_seconds
+
+
+def plain_step_seconds(config_name, batch, seq, steps, seed=0, devices=1):
+    """The plain jitted train step's median seconds and its compile seconds."""
+    _, run, state, batches, compile_seconds = plain_step(config_name, batch, seq, seed, devices)
+    state, _ = time_steps(run, state, batches, 2)  # warm up
+    _, seconds = time_steps(run, state, batches, steps)
     return seconds, compile_seconds
 
 
-def pipelined(
-    microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
+def pipelined_program(
+    microbatches, batch, seq, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
 ):
+    """The pipelined train step compiled: ``(compiled, run, state, a batch, compile seconds)`` with
+    ``run(state, batch) -> state``, the state ``(params, opt_state)``."""
     trainer = Trainer(
         TrainConfig(
             model=model,
@@ -94,7 +103,7 @@ def pipelined(
             microbatches=microbatches,
             batch_size=batch,
             seq_len=seq,
-            steps=max(steps, 1),
+            steps=1,
             split_backward=split,
         )
     )
@@ -102,17 +111,26 @@ def pipelined(
     start = time.perf_counter()
     compiled = trainer.lower(state).compile()
     compile_seconds = time.perf_counter() - start
+
+    def run(s, b):
+        p, o, _ = compiled(s[0], s[1], b)
+        return (p, o)
+
+    batches = [trainer.put_batch(state.data.batch_at(i * batch)) for i in range(4)]
+    return compiled, run, (state.params, state.opt_state), batches, compile_seconds
+
+
+def pipelined(
+    microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
+):
+    compiled, run, state, batches, compile_seconds = pipelined_program(
+        microbatches, batch, seq, schedule, stages, policy, model, split
+    )
     if steps == 0:
         return None, compile_seconds
     if steps < 0:  # the compiled step itself
         return compiled, compile_seconds
-    batches = [state.data.batch_at(i * batch) for i in range(4)]
-
-    def run(s, b):
-        p, o, _ = compiled(s[0], s[1], trainer.put_batch(b))
-        return (p, o)
-
-    carried, _ = time_steps(run, (state.params, state.opt_state), batches, 2)
+    carried, _ = time_steps(run, state, batches, 2)
     _, seconds = time_steps(run, carried, batches, steps)
     return seconds, compile_seconds
 

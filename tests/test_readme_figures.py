@@ -104,3 +104,21 @@ def test_the_hf_parity_table_matches_its_record():
         assert row["load_hf_bit_exact"] and row["max_abs_diff"] < 1e-4
         said = f"{label} {row['max_abs_diff']:.1e} | {row['max_abs_logit']:.2f} |"
         assert said in README, said
+
+
+def test_the_thunk_time_table_matches_its_record():
+    names = {
+        "plain, data parallel 4": "plain, data parallel 4",
+        "1f1b M=8 save-all": "1F1B M=8 save-all",
+        "1f1b M=32 save-all": "1F1B M=32 save-all",
+        "zbv M=8 save-all split": "ZBV M=8 save-all, split",
+        "zbv M=32 save-all split": "ZBV M=32 save-all, split",
+        "zbv M=32 save-all": "ZBV M=32 save-all",
+    }
+    rows = _record("thunk_time.json")["rows"]
+    assert [r["variant"] for r in rows] == list(names)
+    for r in rows:
+        thunks = " / ".join(f"{r['thunks_per_device'][w]:.0f}" for w in ("outside", "loop", "branch"))
+        said = f"| {names[r['variant']]} | {r['wall_ms']:.0f} ms | {r['cpu_ms']:.0f} ms | {thunks} | "
+        said += f"{r['thread_time_share']['collectives']:.0%} |"
+        assert said in README, said

@@ -1,0 +1,258 @@
+"""Where a step's CPU time goes: each compiled step is traced with ``jax.profiler`` and the trace's
+thunk events are summed by self time (an event's duration less its children's), by what ran and
+where in the program it ran.
+
+    python benchmarks/thunk_time.py [--schedules 1f1b,zbv] [--microbatches 32] [--policy save-all]
+                                    [--split-backward] [--layers 8] [--json]
+
+Every variant is the tiny GPT, batch 64 x 64, P=4 on 4 virtual CPU devices, as in
+``benchmarks/overhead.py``; the plain jitted step data parallel over the same 4 devices comes first.
+Columns are core-milliseconds per step, summed over the devices' threads:
+
+- ``kernels``: fusions, matrix products and other compute kernels;
+- ``dispatch``: the thunk executor's own time (what no kernel accounts for: launching the thunks);
+- ``collectives``: ``collective-permute``, ``all-reduce`` and the like, their self time (it includes
+  waiting for the peer ranks), and the rendezvous waits beside them;
+- ``control``: the conditionals' and loops' own time (their predicates, the branch choice).
+
+``where`` splits the busy time (kernels + dispatch + control) by location: outside the tick loop, in
+the tick loop outside any conditional (the table's reads, the message slots, the sends), and inside
+a conditional's branch (the actions and the vocabulary's ends). ``busy / cores`` is the step's wall
+time if the busy work alone filled the machine's cores; on two cores it is close to the measured
+wall time, which is why the bubble does not show here and the work does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+from overhead import LAYERS, pipelined_program, plain_step, time_steps  # noqa: E402
+
+from jaxmem.models import get_model  # noqa: E402
+
+COLLECTIVES = {"collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all"}
+CONTROL = {"conditional", "while", "call"}
+# Events of the runtime's own, not the program's: the caller waiting for the step, buffer handling.
+RUNTIME = ("ThunkExecutor::Execute (wait", "ThreadpoolListener", "end: ", "Handle ", "CommonPjRt", "Allocate")
+WAITS = ("Wait", "Rendezvous", "InvokeRendezvous")
+
+
+def opcodes(hlo_text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """From a compiled module's text: instruction name -> opcode, and instruction name -> where it
+    runs (``branch``: in a conditional's branch, at any depth; ``loop``: in a while loop's body,
+    outside any branch; ``outside``)."""
+    op_of, computation_of, callers = {}, {}, {}
+    current = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            current = head.group(1)
+            continue
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+.*? ([\w\-]+)\(", line)
+        if not m or current is None:
+            continue
+        op_of[m.group(1)] = m.group(2)
+        computation_of[m.group(1)] = current
+        for relation, names in re.findall(
+            r"(body|condition|true_computation|false_computation|branch_computations|calls|to_apply)="
+            r"(\{[^}]*\}|%?[\w.\-]+)",
+            line,
+        ):
+            kind = "loop" if relation in ("body", "condition") else "branch" if "computation" in relation else "in"
+            for callee in names.strip("{}").split(","):
+                callers[callee.strip().lstrip("%")] = (current, kind)
+
+    def where(computation, seen=()):
+        kinds = []
+        while computation in callers and computation not in seen:
+            seen = (*seen, computation)
+            computation, kind = callers[computation]
+            kinds.append(kind)
+        return "branch" if "branch" in kinds else "loop" if "loop" in kinds else "outside"
+
+    return op_of, {name: where(c) for name, c in computation_of.items()}
+
+
+def category(name: str, op_of: dict[str, str]) -> str | None:
+    """What an event is: kernels, dispatch, collectives, control, or None (the runtime's own)."""
+    if name.startswith(RUNTIME):
+        return None
+    if name == "ThunkExecutor::Execute":
+        return "dispatch"
+    if name.startswith(WAITS):
+        return "collectives"
+    op = op_of.get(name)
+    if op is None:
+        return None
+    if op in COLLECTIVES:
+        return "collectives"
+    return "control" if op in CONTROL else "kernels"
+
+
+def self_times(
+    lines, op_of: dict[str, str], where_of: dict[str, str]
+) -> tuple[collections.Counter, collections.Counter]:
+    """Over the threads' event lines (each a list of ``(name, start_ns, duration_ns)``): self time
+    (ns, wall-clock on the thread) and event counts by ``(category, where)``. An event's self time is
+    its duration less that of the events nested in it. ``where`` is the instruction's place in the
+    program (:func:`opcodes`); an event that names no instruction (the executor's own, a wait) takes
+    the place of the first instruction it runs, or of the instruction it runs in."""
+    times, counts = collections.Counter(), collections.Counter()
+    for events in lines:
+        stack = []  # [end, record]; record = [category, self ns, where, parent record]
+        records = []
+        for name, start, duration in sorted(events, key=lambda e: (e[1], -e[2])):
+            cat = category(name, op_of)
+            if cat is None:
+                continue
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            where = where_of.get(name)
+            if where:
+                for _, parent in stack:  # the executor's runs and waits that name no instruction
+                    parent[2] = parent[2] or where
+            record = [cat, duration, where, stack[-1][1] if stack else None]
+            if stack:
+                stack[-1][1][1] -= duration
+            stack.append([start + duration, record])
+            records.append(record)
+        for record in records:
+            cat, ns, where, parent = record
+            while where is None and parent is not None:  # ran no instruction: the place it ran in
+                where, parent = parent[2], parent[3]
+            times[(cat, where or "outside")] += ns
+            counts[(cat, where or "outside")] += 1
+    return times, counts
+
+
+def traced(run, state, batch, steps: int, hlo_text: str):
+    """Self time (ns) and event counts per step by ``(category, where)``, over ``steps`` traced steps."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir)
+        for _ in range(steps):
+            state = run(state, batch)
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    # The devices' programs run on the CPU client's Eigen threads.
+    lines = [
+        [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+        for plane in data.planes
+        for line in plane.lines
+        if "XLAEigen" in line.name or "XLAPjRtCpuClient" in line.name
+    ]
+    times, counts = self_times(lines, *opcodes(hlo_text))
+    return {k: v / steps for k, v in times.items()}, {k: v / steps for k, v in counts.items()}
+
+
+def timed(run, state, batch, steps: int):
+    """``(wall seconds, process CPU seconds)`` per step, the mean of ``steps`` steps after 3 untimed."""
+    state, _ = time_steps(run, state, [batch], 3)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        state = run(state, batch)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps, state
+
+
+def parse_variant(text: str):
+    """``schedule:policy:M[:split]`` -> ``(schedule, policy, M, split)``; ``plain`` -> None."""
+    if text == "plain":
+        return None
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[2].isdigit() or parts[3:] not in ([], ["split"]):
+        raise SystemExit(
+            f"variant {text!r}: expected schedule:policy:M or schedule:policy:M:split, e.g. zbv:save-all:32"
+        )
+    return parts[0], parts[1], int(parts[2]), len(parts) == 4
+
+
+DEFAULT = "plain,1f1b:save-all:8,1f1b:save-all:32,zbv:save-all:8:split,zbv:save-all:32:split,zbv:save-all:32"
+WHERE = ("outside", "loop", "branch")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=DEFAULT, help=f"comma-separated; default {DEFAULT}")
+    parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the tiny GPT (default {LAYERS})")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (and 3 traced)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    cores, rows, plain_cpu = os.cpu_count() or 1, [], None
+    for variant in variants:
+        if variant is None:
+            compiled, run, state, batches, _ = plain_step("tiny", 64, 64, layers=args.layers)
+            label, batch = "plain, data parallel 4", batches[0]
+        else:
+            schedule, policy, m, split = variant
+            model = get_model("tiny", n_layers=args.layers)
+            compiled, run, state, batches, _ = pipelined_program(m, 64, 64, schedule, 4, policy, model, split)
+            batch = batches[0]
+            label = f"{variant[0]} M={variant[2]} {variant[1]}" + (" split" if variant[3] else "")
+        wall, cpu, state = timed(run, state, batch, args.steps)
+        times, counts = traced(run, state, batch, 3, compiled.as_text())
+        plain_cpu = cpu if variant is None else plain_cpu
+        thread_ms = sum(times.values()) / 1e6
+
+        r = {
+            "variant": label,
+            "wall_ms": wall * 1e3,
+            "cpu_ms": cpu * 1e3,
+            "cpu_over_wall": cpu / wall,
+            "cpu_over_plain_cpu": cpu / plain_cpu if plain_cpu else None,
+            "thunks_per_device": {w: sum(v for (_, ww), v in counts.items() if ww == w) / 4 for w in WHERE},
+            "thread_time_share": {
+                c: sum(v for (cc, _), v in times.items() if cc == c) / 1e6 / max(thread_ms, 1e-9)
+                for c in ("kernels", "dispatch", "collectives", "control")
+            },
+        }
+        rows.append(r)
+        print(
+            f"{label:30s} wall {r['wall_ms']:6.1f} ms  cpu {r['cpu_ms']:6.1f} ms ({r['cpu_over_wall']:.2f} cores"
+            + (f", {r['cpu_over_plain_cpu']:.2f}x plain's" if plain_cpu and variant else "")
+            + ")  thunks/device "
+            + "/".join(f"{r['thunks_per_device'][w]:.0f}" for w in WHERE)
+            + "  thread time "
+            + " ".join(f"{c} {v:.0%}" for c, v in r["thread_time_share"].items()),
+            file=sys.stderr,
+            flush=True,
+        )
+    record = {
+        "benchmark": "thunk_time",
+        "command": "python benchmarks/thunk_time.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": f"tiny, {args.layers} layers",
+        "batch_size": 64,
+        "seq_len": 64,
+        "pipe": 4,
+        "cores": cores,
+        "notes": [
+            "cpu_ms: the process's CPU time per step (time.process_time), all threads",
+            "thunks_per_device: the trace's thunk events per step and device, outside / in the tick loop / "
+            "in a conditional's branch",
+            "thread_time_share: shares of the device threads' traced wall-clock self time (a thread sharing "
+            "a core is counted while it waits for it)",
+        ],
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+    return record
+
+
+if __name__ == "__main__":
+    main()
