@@ -1,25 +1,25 @@
-"""Where a step's CPU time goes: each compiled step is traced with ``jax.profiler`` and the trace's
-thunk events are summed by self time (an event's duration less its children's), by what ran and
-where in the program it ran.
+"""Where a step's CPU time goes. Each step is timed untraced (wall time and the process's CPU time),
+then traced with ``jax.profiler``; the trace's thunk events are summed by self time (an event's
+duration less its children's), by what ran and by where in the program it ran.
 
-    python benchmarks/thunk_time.py [--schedules 1f1b,zbv] [--microbatches 32] [--policy save-all]
-                                    [--split-backward] [--layers 8] [--json]
+    python benchmarks/thunk_time.py [--variants plain,1f1b:save-all:8,zbv:save-all:32:split]
+                                    [--layers 8] [--steps 10] [--json]
 
 Every variant is the tiny GPT, batch 64 x 64, P=4 on 4 virtual CPU devices, as in
-``benchmarks/overhead.py``; the plain jitted step data parallel over the same 4 devices comes first.
-Columns are core-milliseconds per step, summed over the devices' threads:
+``benchmarks/overhead.py``; ``plain`` is the plain jitted step data parallel over the same 4 devices.
+Per variant:
 
-- ``kernels``: fusions, matrix products and other compute kernels;
-- ``dispatch``: the thunk executor's own time (what no kernel accounts for: launching the thunks);
-- ``collectives``: ``collective-permute``, ``all-reduce`` and the like, their self time (it includes
-  waiting for the peer ranks), and the rendezvous waits beside them;
-- ``control``: the conditionals' and loops' own time (their predicates, the branch choice).
+- ``cpu_ms``: the process's CPU time per step, every thread;
+- ``thunks_per_device``: thunk events per step and device, by where the instruction sits: outside
+  the tick loop, in the loop outside any conditional (the table's reads, the message slots, the
+  sends), or inside a conditional's branch (the actions, the vocabulary's ends);
+- ``thread_time_share``: shares of the device threads' traced self time in kernels (fusions,
+  products), dispatch (the thunk executor's own time), collectives (their self time, waiting for
+  the peers included, and the rendezvous waits) and control (conditionals' and loops' own time).
+  These are wall-clock durations: a thread that shares a core is timed while it waits for it.
 
-``where`` splits the busy time (kernels + dispatch + control) by location: outside the tick loop, in
-the tick loop outside any conditional (the table's reads, the message slots, the sends), and inside
-a conditional's branch (the actions and the vocabulary's ends). ``busy / cores`` is the step's wall
-time if the busy work alone filled the machine's cores; on two cores it is close to the measured
-wall time, which is why the bubble does not show here and the work does.
+First, a probe of whether the device threads spin while they wait at a collective (they would then
+burn CPU time for the lockstep's imbalance): one rank of four works, three wait (:func:`wait_probe`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from overhead import LAYERS, pipelined_program, plain_step, time_steps  # noqa: E402
 
 from jaxmem.models import get_model  # noqa: E402
@@ -169,6 +170,40 @@ def timed(run, state, batch, steps: int):
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps, state
 
 
+def wait_probe(steps: int = 5) -> dict:
+    """Do the device threads spin while they wait at a collective? One rank of four runs a chain of
+    small (single-threaded) products each tick while the other three wait at the tick's
+    ``ppermute``; the process's CPU time over the wall time says how many cores that takes, beside
+    the same chain on one device alone."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("pipe",), devices=jax.devices()[:4])
+
+    def work(a):
+        return jax.lax.fori_loop(0, 400, lambda _, a: jnp.tanh(a[:, :64] @ a[:64, :]) * 0.5, a)
+
+    def ticks(x):
+        rank = jax.lax.axis_index("pipe")
+
+        def tick(c, _):
+            c = jax.lax.cond(rank == 0, work, lambda c: c, c)
+            return jax.lax.ppermute(c, "pipe", [(r, (r + 1) % 4) for r in range(4)]), None
+
+        return jax.lax.scan(tick, x, None, length=20)[0]
+
+    def cores(fn, x):
+        jax.block_until_ready(fn(x))
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            jax.block_until_ready(fn(x))
+        return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+    pipelined = jax.jit(jax.shard_map(ticks, mesh=mesh, in_specs=P("pipe"), out_specs=P("pipe")))
+    alone = jax.jit(lambda c: jax.lax.scan(lambda c, _: (work(c), None), c, None, length=20)[0])
+    x = jax.device_put(jnp.full((4 * 64, 64), 0.01), jax.NamedSharding(mesh, P("pipe")))
+    return {"one_works_three_wait_cores": cores(pipelined, x), "alone_cores": cores(alone, jnp.full((64, 64), 0.01))}
+
+
 def parse_variant(text: str):
     """``schedule:policy:M[:split]`` -> ``(schedule, policy, M, split)``; ``plain`` -> None."""
     if text == "plain":
@@ -192,6 +227,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (and 3 traced)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    probe = wait_probe()
+    print(
+        f"one rank of four works, three wait at a ppermute: {probe['one_works_three_wait_cores']:.2f} cores "
+        f"(the same work alone: {probe['alone_cores']:.2f})",
+        file=sys.stderr,
+        flush=True,
+    )
     variants = [parse_variant(v) for v in args.variants.split(",")]
     cores, rows, plain_cpu = os.cpu_count() or 1, [], None
     for variant in variants:
@@ -247,6 +289,7 @@ def main(argv=None):
             "thread_time_share: shares of the device threads' traced wall-clock self time (a thread sharing "
             "a core is counted while it waits for it)",
         ],
+        "wait_probe": probe,
         "rows": rows,
     }
     if args.json:

@@ -115,7 +115,11 @@ def test_the_thunk_time_table_matches_its_record():
         "zbv M=32 save-all split": "ZBV M=32 save-all, split",
         "zbv M=32 save-all": "ZBV M=32 save-all",
     }
-    rows = _record("thunk_time.json")["rows"]
+    record = _record("thunk_time.json")
+    probe = record["wait_probe"]
+    said = f"That takes {probe['one_works_three_wait_cores']:.2f} cores; the same work on one device alone takes "
+    assert said + f"{probe['alone_cores']:.2f}." in README
+    rows = record["rows"]
     assert [r["variant"] for r in rows] == list(names)
     for r in rows:
         thunks = " / ".join(f"{r['thunks_per_device'][w]:.0f}" for w in ("outside", "loop", "branch"))
