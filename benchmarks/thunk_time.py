@@ -227,6 +227,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (and 3 traced)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.layers < 4:
+        parser.error("--steps must be at least 1 and --layers at least 4 (one per stage at P=4)")
+    variants = [parse_variant(v) for v in args.variants.split(",")]  # a bad one fails before any work
     probe = wait_probe()
     print(
         f"one rank of four works, three wait at a ppermute: {probe['one_works_three_wait_cores']:.2f} cores "
@@ -234,7 +237,6 @@ def main(argv=None):
         file=sys.stderr,
         flush=True,
     )
-    variants = [parse_variant(v) for v in args.variants.split(",")]
     cores, rows, plain_cpu = os.cpu_count() or 1, [], None
     for variant in variants:
         if variant is None:
@@ -245,7 +247,7 @@ def main(argv=None):
             model = get_model("tiny", n_layers=args.layers)
             compiled, run, state, batches, _ = pipelined_program(m, 64, 64, schedule, 4, policy, model, split)
             batch = batches[0]
-            label = f"{variant[0]} M={variant[2]} {variant[1]}" + (" split" if variant[3] else "")
+            label = f"{schedule} M={m} {policy}" + (" split" if split else "")
         wall, cpu, state = timed(run, state, batch, args.steps)
         times, counts = traced(run, state, batch, 3, compiled.as_text())
         plain_cpu = cpu if variant is None else plain_cpu
