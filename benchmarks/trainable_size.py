@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxmem.memory import get_hardware  # noqa: E402
 from jaxmem.models import get_config  # noqa: E402
+from jaxmem.pipeline import uses_split_backward  # noqa: E402
 from jaxmem.schedule import generate  # noqa: E402
 from jaxmem.search import evaluate  # noqa: E402
 
@@ -53,22 +54,31 @@ METHODS = [
 
 
 def score(base, layers, schedule_name, virtual, policy, args, hardware):
+    """The method at ``layers``: on a schedule with I and W, the better of W running the whole
+    pullback again and W taking I's cotangents (``split_backward``: half a backward, for their
+    memory), as the planner chooses -- fitting first, then faster."""
     config = dataclasses.replace(base, n_layers=layers)
     schedule = generate(schedule_name, args.pipe, args.microbatches, virtual)
     stages = schedule.num_stages  # 2P for the V-shaped schedules: a multiple of P may split unevenly
     counts = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
-    return evaluate(
-        config,
-        schedule,
-        policy,
-        budget=args.budget_gib * 2**30,
-        batch=args.batch_size,
-        seq=args.seq_len,
-        data=1,
-        hardware=hardware,
-        layer_counts=counts,
-        vocab_parallel=args.vocab_parallel,
-    )
+    splits = (False, True) if uses_split_backward(schedule) else (False,)
+    scored = [
+        evaluate(
+            config,
+            schedule,
+            policy,
+            budget=args.budget_gib * 2**30,
+            batch=args.batch_size,
+            seq=args.seq_len,
+            data=1,
+            hardware=hardware,
+            layer_counts=counts,
+            vocab_parallel=args.vocab_parallel,
+            split_backward=split,
+        )
+        for split in splits
+    ]
+    return min(scored, key=lambda c: (not c.fits, -c.tokens_per_second))
 
 
 def max_depth(base, method, args, hardware, floor=None):
@@ -125,7 +135,8 @@ def _at_the_papers_depth(base, one_layers, args, hardware):
         for s in range(schedule.num_stages)
     ]
     e = estimate(config, schedule, cand.policy, batch=args.batch_size, seq=args.seq_len, hardware=hardware,
-                 layer_counts=counts, vocab_parallel=args.vocab_parallel)  # fmt: skip
+                 layer_counts=counts, vocab_parallel=args.vocab_parallel,
+                 split_backward=cand.split_backward)  # fmt: skip
     row = {
         "layers": layers,
         "fits": cand.fits,
@@ -315,12 +326,14 @@ def main(argv=None):
                 "tokens_per_second": cand.tokens_per_second if cand else 0.0,
                 "device_bytes": cand.device_bytes if cand else None,
                 "step_seconds": cand.step_seconds if cand else None,
+                "split_backward": cand.split_backward if cand else False,
                 "note": cand.note if cand else "",
             }
         )
         print(
             f"{method[0]:26s} max layers {layers:4d} (memory only {memory_only:4d})  "
             f"per-layer throughput {throughput:14,.0f} layer-tokens/s"
+            + (" split backward" if cand and cand.split_backward else "")
             + (f"  ({cand.note})" if cand and cand.note else ""),
             file=sys.stderr,
         )

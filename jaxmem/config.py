@@ -510,6 +510,7 @@ class TrainConfig:
             vocab_parallel=self.vocab_parallel,
             layer_counts=self.layers_per_stage,
             hardware=self.hardware_profile(),
+            split_backward=self.split_backward,
         )
         if not candidate.fits:
             raise JaxmemError(

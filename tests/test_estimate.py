@@ -147,3 +147,44 @@ def test_the_chronos_moves_are_priced_by_the_estimator():
     # Weights on host free nothing where a rank runs two stages: the stage it runs and the next one,
     # arriving beside it, are both on the device. The move is not offered there.
     assert run("offload-weights").device_bytes >= base.device_bytes and "offload-weights" not in moves
+
+
+def test_w_without_the_split_runs_a_whole_backward_and_the_planner_weighs_the_split():
+    """Without ``split_backward`` the executor's W runs the stage's whole pullback again (XLA drops
+    only what the input gradient alone needs), so the time model charges it a whole backward; with
+    it, I and W share one backward, and the ledger holds the cotangents I hands W. The planner tries
+    both and takes the split only where its memory fits."""
+    from jaxmem.cli.plan import train_command
+    from jaxmem.config import TrainConfig
+    from jaxmem.schedule import Action, Kind
+    from jaxmem.search import search
+    from jaxmem.train import planned_config
+
+    model = get_model("tiny")
+    schedule = generate("zbv", 4, 8)
+    one = generate("1f1b", 8, 8)  # the same 8 stages of one layer, with whole backwards
+    run = dict(batch=BATCH, seq=SEQ, hardware="h100")
+    plain, split = (estimate(model, schedule, "save-all", split_backward=s, **run) for s in (False, True))
+    whole = estimate(model, one, "save-all", **run).costs
+    for stage in range(schedule.num_stages):
+        i, w, b = Action(stage, Kind.I, 0), Action(stage, Kind.W, 0), Action(stage, Kind.B, 0)
+        backward = whole.duration(b, one)
+        assert plain.costs.duration(w, schedule) == pytest.approx(backward, rel=1e-12)
+        assert split.costs.duration(i, schedule) + split.costs.duration(w, schedule) == pytest.approx(
+            backward, rel=1e-12
+        )
+    assert split.step_seconds < plain.step_seconds and split.device_bytes > plain.device_bytes
+    # Under a tensor axis the executor cannot split: neither can the estimate.
+    cut = [estimate(model, schedule, "save-all", split_backward=s, tensor=2, **run) for s in (False, True)]
+    assert cut[0].step_seconds == cut[1].step_seconds and cut[0].device_bytes == cut[1].device_bytes
+
+    kw = dict(devices=4, batch=BATCH, seq=SEQ, schedules=("zbv",), policies=("save-all",), pipes=[4], fsdp=False)
+    kw.update(microbatches=[8], hardware="h100")
+    roomy = search(model, budget_bytes=2 * split.device_bytes, **kw).best
+    assert roomy.split_backward and roomy.step_seconds == pytest.approx(split.step_seconds)
+    tight = search(model, budget_bytes=(plain.device_bytes + split.device_bytes) / 2, **kw).best
+    assert not tight.split_backward and tight.step_seconds == pytest.approx(plain.step_seconds)
+    config = planned_config(TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ), roomy, 4)
+    assert config.split_backward
+    args = type("Args", (), {"model": "tiny", "budget": "1GiB", "hardware": "h100"})()
+    assert "--split-backward" in train_command(roomy, args, BATCH, SEQ)

@@ -230,6 +230,7 @@ def step_costs(
     tensor: int = 1,
     master_cut: bool = False,
     families=None,
+    split_backward: bool = False,
 ) -> Costs:
     """Costs for :func:`jaxmem.schedule.simulate`, in seconds on ``hardware``.
 
@@ -238,9 +239,16 @@ def step_costs(
     A stage's weights move in proportion to its layers' bytes (units of layer 0's).
 
     F of stage s costs its forward FLOPs; B its backward FLOPs (the forward's twice, plus what the
-    policy recomputes); I and W half the plain backward each, plus the recompute (each re-runs what it
-    needs from the saved values). The policy's host-resident stash bytes are offloaded after F and
-    prefetched before the backward.
+    policy recomputes). I and W, as the executor runs them:
+
+    - with ``split_backward`` (:attr:`~jaxmem.pipeline.Pipeline.splits_backward`: I hands W the
+      cotangents its weight gradients read), half the plain backward each, plus the recompute (each
+      re-runs what it needs from the saved values);
+    - without it, I is the same half and W runs the whole pullback again, XLA dropping only what
+      the stage's input gradient alone needs (the first layer's input products, 1/layers of I's
+      work): priced as a whole B.
+
+    The policy's host-resident stash bytes are offloaded after F and prefetched before the backward.
 
     With ``vocab`` (the vocabulary split over the ranks) the head's projection, forward and backward,
     runs on every rank at once, a ``1/P`` slice each, whenever the last stage's F reaches it: each
@@ -366,8 +374,13 @@ def step_costs(
         if action.kind is Kind.B:
             return recompute + excess[action.stage] + traffic + comm + backward_comm
         # I computes the input gradients (the sums); W the weight gradients (no sums).
-        sums = backward_comm if action.kind is Kind.I else 0.0
-        return recompute + (excess[action.stage] + traffic) / 2 + comm + sums
+        if action.kind is Kind.I:
+            return recompute + (excess[action.stage] + traffic) / 2 + comm + backward_comm
+        if split_backward:
+            return recompute + (excess[action.stage] + traffic) / 2 + comm
+        # The whole pullback again: the cotangents' chain (I's products, a forward's FLOPs) beside the
+        # weight products the simulator charges W.
+        return forward_seconds[action.stage] + recompute + excess[action.stage] + traffic / 2 + comm
 
     any_host = any(
         resolved.stage_policy(s, m).offload or resolved.stage_policy(s, m).offload_stash
@@ -602,9 +615,10 @@ def estimate(
     prediction the planner, the profiler, the recovery planner and the benchmarks share.
 
     ``memory=False`` skips the ledger (time only): for schedules one SPMD program cannot run, such as
-    a rerouted pipeline where one rank holds an extra stage. ``split_backward``: the pipeline's (its
-    I->W cotangents are priced in the ledger; the time model prices I and W as halves of the
-    backward either way).
+    a rerouted pipeline where one rank holds an extra stage. ``split_backward``: the pipeline's; where
+    it takes effect (a schedule with I and W, no tensor axis: :func:`splits_backward`) the ledger
+    holds the I->W cotangents and W costs half a backward, otherwise W runs the whole pullback again
+    (:func:`step_costs`).
 
     >>> from jaxmem.schedule import generate
     >>> e = estimate("tiny", generate("1f1b", 4, 8), "selective", batch=32, seq=64)
@@ -614,7 +628,7 @@ def estimate(
     from jaxmem.memory._facts import model_facts
     from jaxmem.memory._ledger import master_cut, policy_offloads, predict, uses_vocab_split
     from jaxmem.models import get_model
-    from jaxmem.pipeline import model_layer_counts
+    from jaxmem.pipeline import model_layer_counts, splits_backward
     from jaxmem.policy import resolve
 
     model = get_model(model)
@@ -669,6 +683,7 @@ def estimate(
         tensor=tensor,
         master_cut=cut,
         families=facts.stage_families(counts, drop_layers) if facts.families is not None else None,
+        split_backward=splits_backward(schedule, split_backward, tensor),
     )
     simulation = simulate(schedule, costs)
     transfers = state_transfer_seconds(

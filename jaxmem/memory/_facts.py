@@ -184,12 +184,14 @@ class ModelFacts:
         self.param_itemsize = max(np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract))
         self._cache: dict = {}
         # A built-in model's layers and shared parameters do not depend on its depth: models that
-        # differ only in depth share their compiled working sets (a depth search compiles once).
+        # differ only in depth share their compiled working sets and traced I/W splits (a depth
+        # search compiles and traces once).
         from jaxmem.models import LlamaConfig
 
         config = model.config
         builtin = isinstance(config, (GPTConfig, LlamaConfig))
-        self._depthless = (type(config), dataclasses.replace(config, n_layers=1)) if builtin else None
+        depthless = (type(config), dataclasses.replace(config, n_layers=1)) if builtin else None
+        self._stage_cache = self._cache if depthless is None else _DEPTHLESS.setdefault(depthless, {})
 
     # ------------------------------------------------------------------ model-level
     def batch(self, microbatch: int, seq: int) -> dict:
@@ -410,7 +412,8 @@ class ModelFacts:
 
     def _transfers(self, first, last, fams, policy, seq, vocab=False) -> dict:
         key = ("transfers", first, last, fams, policy, seq, vocab)
-        if key not in self._cache:
+        cache = self._stage_cache
+        if key not in cache:
             if len(fams) <= 2:
                 from jaxmem.pipeline import abstract_split
 
@@ -418,14 +421,14 @@ class ModelFacts:
                 input_grad = not (first and not vocab)  # the first stage's input gradient goes nowhere
                 shared, batch = self._stage_shared(vocab), self.batch(1, seq)
                 split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad)
-                self._cache[key] = split.transfer_elems()
+                cache[key] = split.transfer_elems()
             else:  # each further layer adds what a second layer of its family adds to a first
                 parts = [(self._transfers(first, last, fams[:1], policy, seq, vocab), 1)]
                 for f in fams[1:]:
                     parts.append((self._transfers(first, last, (f, f), policy, seq, vocab), 1))
                     parts.append((self._transfers(first, last, (f,), policy, seq, vocab), -1))
-                self._cache[key] = _mixed(parts)
-        return self._cache[key]
+                cache[key] = _mixed(parts)
+        return cache[key]
 
     def _fams(self, layers: int, families) -> tuple[int, ...]:
         """A stage's layers as the facts describe them: the family of each (all 0 when alike)."""
@@ -658,7 +661,7 @@ class ModelFacts:
             base = max(2 * one[f] - two[f] for f in one)
             return max(base + sum(two[f] - one[f] for f in fams), max(two.values()))
         key = ("working", first, last, fams, policy, seq, vocab, tensor, split)
-        cache = self._cache if self._depthless is None else _WORKING.setdefault(self._depthless, {})
+        cache = self._stage_cache
         if key not in cache:
             import jax
 
@@ -850,7 +853,7 @@ def _cost_flops(lowered) -> float:
 
 
 _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_WORKING: dict = {}  # depthless built-in config -> compiled working sets (see ModelFacts.__init__)
+_DEPTHLESS: dict = {}  # depthless built-in config -> compiled working sets, I/W splits (ModelFacts.__init__)
 
 
 def model_facts(model, *, analytic: bool = True) -> ModelFacts:

@@ -143,7 +143,7 @@ def predict(
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
-    from jaxmem.pipeline import cell_classes, model_layer_counts, stash_rows, uses_split_backward
+    from jaxmem.pipeline import cell_classes, model_layer_counts, splits_backward, stash_rows
 
     model = get_model(model)
     facts = facts or model_facts(model)
@@ -189,7 +189,7 @@ def predict(
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
     # Split backwards (zero-bubble schedules, no tensor axis) also keep what each I hands its W.
-    splits = split_backward and tensor == 1 and uses_split_backward(schedule)
+    splits = splits_backward(schedule, split_backward, tensor)
     class_sizes, class_transfers, working, item = {}, {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]

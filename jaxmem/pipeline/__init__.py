@@ -9,6 +9,7 @@ from jaxmem.pipeline._cut import cut_dims as cut_dims
 from jaxmem.pipeline._executor import Pipeline as Pipeline
 from jaxmem.pipeline._executor import batch_spec as batch_spec
 from jaxmem.pipeline._executor import make_mesh as make_mesh
+from jaxmem.pipeline._executor import splits_backward as splits_backward
 from jaxmem.pipeline._executor import uses_split_backward as uses_split_backward
 from jaxmem.pipeline._iw import abstract_split as abstract_split
 from jaxmem.pipeline._iw import stage_split as stage_split

@@ -158,6 +158,12 @@ def uses_split_backward(schedule: Schedule) -> bool:
     return any(a.kind is Kind.I for a in schedule.actions())
 
 
+def splits_backward(schedule: Schedule, split_backward: bool, tensor: int = 1) -> bool:
+    """A pipeline asked for ``split_backward`` hands I's cotangents to W (:mod:`jaxmem.pipeline._iw`):
+    on a schedule with I and W actions, without a tensor axis (whose arenas are cut over it)."""
+    return bool(split_backward) and tensor == 1 and uses_split_backward(schedule)
+
+
 def _counted(spec: dict) -> int:
     """What the loss's mean is over, before a loss mask: the targets of a language model's batch
     (every position), else the examples."""
@@ -619,7 +625,7 @@ class Pipeline:
         weight gradients read. With ``split_backward``, on schedules with split backwards, without a
         ``tensor`` axis; otherwise I and W each run the whole pullback, XLA dropping what each
         discards."""
-        return self.split_backward and self.tensor == 1 and uses_split_backward(self.schedule)
+        return splits_backward(self.schedule, self.split_backward, self.tensor)
 
     def backward_split(self, c: StageClass, plan: ResidualPlan, micro, message) -> StageSplit:
         """Class ``c``'s backward split into I and W (:mod:`jaxmem.pipeline._iw`), traced abstractly

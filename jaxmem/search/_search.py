@@ -57,6 +57,7 @@ class Candidate:
     policy_name: str
     fsdp: int = dataclasses.field(default=1, kw_only=True)
     tensor: int = dataclasses.field(default=1, kw_only=True)
+    split_backward: bool = dataclasses.field(default=False, kw_only=True)
     policy: object = dataclasses.field(repr=False, compare=False)
     device_bytes: float = 0.0
     host_bytes: float = 0.0
@@ -74,6 +75,7 @@ class Candidate:
             "fsdp": self.fsdp,
             "tensor": self.tensor,
             "microbatches": self.microbatches,
+            "split_backward": self.split_backward,
             "policy": self.policy_name,
             "device_bytes": int(self.device_bytes),
             "host_bytes": int(self.host_bytes),
@@ -116,6 +118,7 @@ class SearchResult:
                 f"P={c.pipe} D={c.data}"
                 + (f" F={c.fsdp}" if c.fsdp > 1 else "")
                 + (f" T={c.tensor}" if c.tensor > 1 else "")
+                + (" split backward" if c.split_backward else "")
             )
 
         lines = []
@@ -229,14 +232,17 @@ def evaluate(
     tensor: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
+    split_backward: bool = False,
 ) -> Candidate:
     """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``policy_name``: a
     ``chronos-*`` name, generated for the budget first (Chronos-Recomp/Offload), or any spec
     :func:`~jaxmem.policy.from_spec` takes. ``fsdp``, ``tensor``, ``zero``,
-    ``vocab_parallel``: how the state and the math are cut (:class:`~jaxmem.pipeline.Pipeline`)."""
+    ``vocab_parallel``, ``split_backward``: how the state and the math are cut and the backward
+    split (:class:`~jaxmem.pipeline.Pipeline`; the candidate's ``split_backward`` says whether the
+    split takes effect, :func:`~jaxmem.pipeline.splits_backward`)."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
-    from jaxmem.pipeline import model_layer_counts
+    from jaxmem.pipeline import model_layer_counts, splits_backward
     from jaxmem.policy import PRESETS, chronos_policy, from_spec
 
     model = get_model(model)
@@ -244,6 +250,7 @@ def evaluate(
     hardware = get_hardware(hardware)
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     mb = batch // (data * fsdp * schedule.num_microbatches)
+    split_backward = splits_backward(schedule, split_backward, tensor)
 
     layout = dict(
         batch=batch,
@@ -255,6 +262,7 @@ def evaluate(
         vocab_parallel=vocab_parallel,
         layer_counts=counts,
         facts=facts,
+        split_backward=split_backward,
     )
 
     def run(policy):
@@ -346,6 +354,7 @@ def evaluate(
         data=data,
         fsdp=fsdp,
         tensor=tensor,
+        split_backward=split_backward,
         microbatches=schedule.num_microbatches,
         policy_name=policy_name,
         policy=policy,
@@ -448,16 +457,21 @@ def search(
     zero: bool = True,
     vocab_parallel: bool | None = None,
     margin: float = 0.0,
+    split_backward: bool | None = None,
 ) -> SearchResult:
     """Search pipeline sizes x tensor splits x data/fsdp splits x schedules x microbatches x
     policies, and the FSDP-only layout; the fastest simulated candidate that fits wins. ``fsdp=False``
     leaves the fsdp splits out; ``tensors``: the tensor splits to try (default
     :func:`tensor_sizes`); ``mesh``: one layout only (``{"data", "fsdp", "pipe", "tensor"}``, its
     product the devices); ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`;
-    ``margin``: a candidate fits when its prediction fits ``budget_bytes / (1 + margin)`` (e.g.
-    :data:`LEDGER_MARGIN` where the pick cannot be compiled and checked, see :func:`confirm`)."""
+    ``split_backward``: on schedules with I and W (no tensor axis), whether I hands W its cotangents
+    (faster, W does half a backward instead of a whole one; the cotangents take memory from I to W);
+    None tries both. ``margin``: a candidate fits when its prediction fits
+    ``budget_bytes / (1 + margin)`` (e.g. :data:`LEDGER_MARGIN` where the pick cannot be compiled and
+    checked, see :func:`confirm`)."""
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
+    from jaxmem.pipeline import splits_backward
 
     model = get_model(model)
     hw = get_hardware(hardware)
@@ -483,7 +497,9 @@ def search(
         names = list(policies)
         if fsdp_size > 1:  # FSDP: each preset also with its stages' weights kept gathered F->B
             names += [f"{n}{KEEP_GATHERED}" for n in policies if n in PRESETS]
-        for name in names:
+        splits = [split_backward] if split_backward is not None else [False, True]
+        splits = [s for s in splits if not s or splits_backward(schedule, s, tensor)] or [False]
+        for name, split in ((n, s) for n in names for s in splits):
             cand = evaluate(
                 model,
                 schedule,
@@ -497,6 +513,7 @@ def search(
                 zero=zero,
                 vocab_parallel=vocab_parallel,
                 hardware=hw,
+                split_backward=split,
             )
             if hw.cores and cand.host_bytes:  # on a CPU the host memory is the device's: offloads save none of it
                 continue

@@ -103,6 +103,7 @@ def planned_config(config: TrainConfig, best, devices: int) -> TrainConfig:
         microbatches=best.microbatches,
         virtual=best.virtual if best.schedule == "interleaved-1f1b" else None,
         policy=best.policy,
+        split_backward=best.split_backward,
         devices=devices,
         budget=config.budget if config.run_dir else None,  # past planning, only metrics show it
         margin=None,
