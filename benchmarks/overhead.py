@@ -4,11 +4,13 @@ and policies; compile time vs microbatches; and what one tick of the compiled st
     python benchmarks/overhead.py [--steps 10] [--json]          # the grid, record in results/overhead.json
     python benchmarks/overhead.py --profile [--policy save-all]  # the tick loop of 1F1B P=4 M=8
     python benchmarks/overhead.py --split-backward --schedules zbv,chronos --json
-        # each variant with and without split_backward, one after the other (results/overhead_split.json)
+        # each variant with and without split_backward, in the same rounds (results/overhead_split.json)
 
 Measured in one process on virtual CPU devices (P=4 on 4 devices): every pipelined step against the
 plain ``jax.jit(value_and_grad + Adam)`` step on the SAME 4 devices (data parallel: the batch split
-over them, parameters replicated, gradients all-reduced) -- the like-for-like ratio -- with the
+over them, parameters replicated, gradients all-reduced) -- the like-for-like ratio, taken within
+each of ``--rounds`` rounds that time the plain step and then each policy of a (schedule, M) in turn,
+its median over the rounds reported -- with the
 schedule's bubble ideal beside it (the simulator's makespan over a rank's busy time, unit costs);
 and the compile time of the pipelined step at M=4 and M=32 (same global batch). CPU timings say
 nothing about a GPU cluster's throughput; they show the executor's overhead and that compile time
@@ -81,14 +83,6 @@ def plain_step(config_name, batch, seq, seed=0, devices=4, layers=None):
     return compiled, run, (params, opt_state), batches, compile_seconds
 
 
-def plain_step_seconds(config_name, batch, seq, steps, seed=0, devices=1):
-    """The plain jitted train step's median seconds and its compile seconds."""
-    _, run, state, batches, compile_seconds = plain_step(config_name, batch, seq, seed, devices)
-    state, _ = time_steps(run, state, batches, 2)  # warm up
-    _, seconds = time_steps(run, state, batches, steps)
-    return seconds, compile_seconds
-
-
 def pipelined_program(
     microbatches, batch, seq, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
 ):
@@ -149,7 +143,14 @@ def bubble_ideal(schedule: str, pipe: int, microbatches: int) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round (their median)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds per schedule and M: each times the plain step and then every policy once; a variant's "
+        "ratio to the plain step is the median over the rounds of the ratio within each (default 5)",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: all four)")
@@ -160,10 +161,12 @@ def main(argv=None):
     parser.add_argument(
         "--split-backward",
         action="store_true",
-        help="time every variant without and then with split_backward (W takes I's cotangents)",
+        help="time every variant without and with split_backward (W takes I's cotangents), in the same rounds",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1:
+        parser.error(f"--steps and --rounds must be at least 1, got {args.steps} and {args.rounds}")
     B, T, model = args.batch_size, args.seq_len, get_model("tiny", n_layers=LAYERS)
 
     if args.profile:
@@ -173,37 +176,57 @@ def main(argv=None):
         print(traffic.summary())
         return traffic
 
-    plain4_s, plain4_compile = plain_step_seconds("tiny", B, T, args.steps, devices=4)
-    print(f"plain jit, data parallel over 4 devices: {plain4_s:.4f} s/step", file=sys.stderr, flush=True)
+    # The plain step stays compiled and is timed again in every round, beside the variants: the
+    # machine's speed drifts by up to a third between runs here, and a ratio of timings made minutes
+    # apart carries that drift.
+    _, plain_run, plain_state, plain_batches, plain4_compile = plain_step("tiny", B, T, devices=4)
+    plain_state, _ = time_steps(plain_run, plain_state, plain_batches, 2)  # warm up
+    plain_rounds = []
     rows = []
     for schedule in args.schedules.split(","):
         for m in [int(x) for x in args.microbatches.split(",")]:
             ideal = bubble_ideal(schedule, 4, m)
+            group = []
             for policy in args.policies.split(","):
                 for split in (False, True) if args.split_backward else (False,):
-                    seconds, compile_s = pipelined(
-                        m, B, T, args.steps, schedule=schedule, policy=policy, model=model, split=split
+                    _, run, state, batches, compile_s = pipelined_program(
+                        m, B, T, schedule=schedule, policy=policy, model=model, split=split
                     )
-                    ratio = seconds / plain4_s
-                    rows.append(
-                        {
-                            "schedule": schedule,
-                            "microbatches": m,
-                            "policy": policy,
-                            **({"split_backward": split} if args.split_backward else {}),
-                            "step_seconds": seconds,
-                            "compile_seconds": compile_s,
-                            "over_plain": ratio,
-                            "bubble_ideal": ideal,
-                            "over_ideal": ratio / ideal,
-                        }
-                    )
-                    print(
-                        f"{schedule:17s} M={m:<3d} {policy:14s}{' split' if split else '      '} {seconds:7.4f} s  "
-                        f"{ratio:5.2f}x plain  ideal {ideal:5.3f}  {ratio / ideal:5.2f}x ideal",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    state, _ = time_steps(run, state, batches, 2)  # warm up
+                    group.append({"policy": policy, "split": split, "run": run, "state": state,
+                                  "batches": batches, "compile": compile_s, "seconds": [], "ratios": []})  # fmt: skip
+            for _ in range(args.rounds):  # the plain step and every variant in turn, each round
+                plain_state, plain_s = time_steps(plain_run, plain_state, plain_batches, args.steps)
+                plain_rounds.append(plain_s)
+                for v in group:
+                    v["state"], seconds = time_steps(v["run"], v["state"], v["batches"], args.steps)
+                    v["seconds"].append(seconds)
+                    v["ratios"].append(seconds / plain_s)
+            for v in group:
+                seconds, ratio = float(np.median(v["seconds"])), float(np.median(v["ratios"]))
+                rows.append(
+                    {
+                        "schedule": schedule,
+                        "microbatches": m,
+                        "policy": v["policy"],
+                        **({"split_backward": v["split"]} if args.split_backward else {}),
+                        "step_seconds": seconds,
+                        "compile_seconds": v["compile"],
+                        "over_plain": ratio,
+                        "over_plain_range": [min(v["ratios"]), max(v["ratios"])],
+                        "bubble_ideal": ideal,
+                        "over_ideal": ratio / ideal,
+                    }
+                )
+                print(
+                    f"{schedule:17s} M={m:<3d} {v['policy']:14s}{' split' if v['split'] else '      '} "
+                    f"{seconds:7.4f} s  {ratio:5.2f}x plain (rounds {min(v['ratios']):.2f}-{max(v['ratios']):.2f})  "
+                    f"ideal {ideal:5.3f}  {ratio / ideal:5.2f}x ideal",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    plain4_s = float(np.median(plain_rounds))
+    print(f"plain jit, data parallel over 4 devices: {plain4_s:.4f} s/step (median of its rounds)", file=sys.stderr)
     _, compile_m4 = pipelined(4, B, T, 0, model=model)
     _, compile_m32 = pipelined(32, B, T, 0, model=model)
     record = {
@@ -215,6 +238,7 @@ def main(argv=None):
         "pipe": 4,
         "platform": jax.devices()[0].platform,
         "cpu_count": os.cpu_count(),
+        "rounds": args.rounds,
         "plain_data_parallel_4_step_seconds": plain4_s,
         "plain_data_parallel_4_compile_seconds": plain4_compile,
         "grid": rows,
