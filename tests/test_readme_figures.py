@@ -81,20 +81,23 @@ def test_the_overhead_table_matches_its_record():
         assert said in README, said
     plain = record["plain_data_parallel_4_step_seconds"]
     assert f"({plain:.3f} s/step, the median of its rounds)" in README and record["rounds"] == 5
-    # "Save-all ... no slower than recompute-all on any of the eight schedule x M pairs", with its range.
-    save_over_recompute = {
-        k: by["save-all"]["over_plain"] / by["recompute-all"]["over_plain"] for k, by in rows.items()
-    }
-    assert max(save_over_recompute.values()) <= 1
-    low, high = (
-        min(save_over_recompute, key=save_over_recompute.get),
-        max(save_over_recompute, key=save_over_recompute.get),
-    )
-    said = (
-        f"from {save_over_recompute[low]:.2f}x ({names[low[0]]} M={low[1]}) to "
-        f"{save_over_recompute[high]:.2f}x ({names[high[0]]} M={high[1]})"
-    )
-    assert said in README.replace("\n  ", " "), said
+
+    # "Save-all ... no slower than recompute-all on seven of the eight pairs", in this run and the
+    # other rounds run, with its range here and the one exception.
+    def save_over_recompute(grid):
+        by = {}
+        for r in grid:
+            by.setdefault((r["schedule"], r["microbatches"]), {})[r["policy"]] = r["over_plain"]
+        return {k: v["save-all"] / v["recompute-all"] for k, v in by.items()}
+
+    here, other = save_over_recompute(record["grid"]), save_over_recompute(record["other_rounds_run"]["grid"])
+    slower = [k for k in here if here[k] > 1 or other[k] > 1]
+    assert slower == [("interleaved-1f1b", 8)]
+    kept = [v for k, v in here.items() if k not in slower]
+    text = README.replace("\n  ", " ")
+    assert f"from {min(kept):.2f}x to {max(kept):.2f}x of recompute-all's ratio here" in text
+    assert f"where save-all is {here[slower[0]]:.2f}x recompute-all's ratio here" in text
+    assert f"The earlier rounds run had it at {other[slower[0]]:.2f}x" in text
     assert f"at M=32 takes {record['compile_ratio_m32_over_m4']:.2f}x the time at M=4" in README
 
 
