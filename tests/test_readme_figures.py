@@ -98,6 +98,21 @@ def test_the_overhead_table_matches_its_record():
     assert f"from {min(kept):.2f}x to {max(kept):.2f}x of recompute-all's ratio here" in text
     assert f"where save-all is {here[slower[0]]:.2f}x recompute-all's ratio here" in text
     assert f"The earlier rounds run had it at {other[slower[0]]:.2f}x" in text
+    # The allocator's part: the same pairs with freed memory kept in the heap, and with the defaults.
+    malloc = _record("overhead_malloc.json")
+    runs = {}
+    for name in ("default", "heap_kept"):
+        runs[name] = {(r["schedule"], r["policy"]): r for r in malloc[name]["grid"]}
+    heap, default = runs["heap_kept"], runs["default"]
+    sa, ra = ("interleaved-1f1b", "save-all"), ("interleaved-1f1b", "recompute-all")
+    said = (
+        f"interleaved M=8 save-all runs at {heap[sa]['step_seconds']:.3f} s against recompute-all's "
+        f"{heap[ra]['step_seconds']:.3f} s ({heap[sa]['over_plain'] / heap[ra]['over_plain']:.2f}x its ratio); with "
+        f"the defaults in the same grid, {default[sa]['step_seconds']:.3f} s against "
+        f"{default[ra]['step_seconds']:.3f} s ({default[sa]['over_plain'] / default[ra]['over_plain']:.2f}x)"
+    )
+    assert said in text, said
+    assert heap[sa]["over_plain"] <= heap[ra]["over_plain"]
     assert f"at M=32 takes {record['compile_ratio_m32_over_m4']:.2f}x the time at M=4" in README
 
 
