@@ -3,7 +3,7 @@ then traced with ``jax.profiler``; the trace's thunk events are summed by self t
 duration less its children's), by what ran and by where in the program it ran.
 
     python benchmarks/thunk_time.py [--variants plain,1f1b:save-all:8,zbv:save-all:32:split]
-                                    [--layers 8] [--steps 10] [--json]
+                                    [--layers 8] [--steps 10] [--top N] [--json]
 
 Every variant is the tiny GPT, batch 64 x 64, P=4 on 4 virtual CPU devices, as in
 ``benchmarks/overhead.py``; ``plain`` is the plain jitted step data parallel over the same 4 devices.
@@ -17,6 +17,8 @@ Per variant:
   products), dispatch (the thunk executor's own time), collectives (their self time, waiting for
   the peers included, and the rendezvous waits) and control (conditionals' and loops' own time).
   These are wall-clock durations: a thread that shares a core is timed while it waits for it.
+- with ``--top N``, ``top_kernels_ms``: the N instruction kinds with the most kernel self time per
+  step, summed over the devices, each with its place.
 
 First, a probe of whether the device threads spin while they wait at a collective (they would then
 burn CPU time for the lockstep's imbalance): one rank of four works, three wait (:func:`wait_probe`).
@@ -103,14 +105,22 @@ def category(name: str, op_of: dict[str, str]) -> str | None:
     return "control" if op in CONTROL else "kernels"
 
 
+def instruction_kind(name: str) -> str:
+    """An instruction's name without its number: the fusions XLA names alike (``ynn_fusion.12``)
+    counted together."""
+    return re.sub(r"\.\d+$", "", name)
+
+
 def self_times(
-    lines, op_of: dict[str, str], where_of: dict[str, str]
+    lines, op_of: dict[str, str], where_of: dict[str, str], by_instruction: bool = False
 ) -> tuple[collections.Counter, collections.Counter]:
     """Over the threads' event lines (each a list of ``(name, start_ns, duration_ns)``): self time
-    (ns, wall-clock on the thread) and event counts by ``(category, where)``. An event's self time is
-    its duration less that of the events nested in it. ``where`` is the instruction's place in the
-    program (:func:`opcodes`); an event that names no instruction (the executor's own, a wait) takes
-    the place of the first instruction it runs, or of the instruction it runs in."""
+    (ns, wall-clock on the thread) and event counts by ``(category, where)`` -- with
+    ``by_instruction``, by ``(category, where, instruction kind)`` (:func:`instruction_kind`). An
+    event's self time is its duration less that of the events nested in it. ``where`` is the
+    instruction's place in the program (:func:`opcodes`); an event that names no instruction (the
+    executor's own, a wait) takes the place of the first instruction it runs, or of the instruction it
+    runs in."""
     times, counts = collections.Counter(), collections.Counter()
     for events in lines:
         stack = []  # [end, record]; record = [category, self ns, where, parent record]
@@ -125,22 +135,32 @@ def self_times(
             if where:
                 for _, parent in stack:  # the executor's runs and waits that name no instruction
                     parent[2] = parent[2] or where
-            record = [cat, duration, where, stack[-1][1] if stack else None]
+            record = [cat, duration, where, stack[-1][1] if stack else None, name]
             if stack:
                 stack[-1][1][1] -= duration
             stack.append([start + duration, record])
             records.append(record)
         for record in records:
-            cat, ns, where, parent = record
+            cat, ns, where, parent, name = record
             while where is None and parent is not None:  # ran no instruction: the place it ran in
                 where, parent = parent[2], parent[3]
-            times[(cat, where or "outside")] += ns
-            counts[(cat, where or "outside")] += 1
+            key = (cat, where or "outside") + ((instruction_kind(name),) if by_instruction else ())
+            times[key] += ns
+            counts[key] += 1
     return times, counts
 
 
-def traced(run, state, batch, steps: int, hlo_text: str):
-    """Self time (ns) and event counts per step by ``(category, where)``, over ``steps`` traced steps."""
+def _by_place(counter) -> collections.Counter:
+    """``(category, where, ...)`` keys summed to ``(category, where)``."""
+    out = collections.Counter()
+    for key, v in counter.items():
+        out[key[:2]] += v
+    return out
+
+
+def traced(run, state, batch, steps: int, hlo_text: str, by_instruction: bool = False):
+    """Self time (ns) and event counts per step by ``(category, where)`` (with ``by_instruction``,
+    ``(category, where, instruction kind)``), over ``steps`` traced steps."""
     with tempfile.TemporaryDirectory() as log_dir:
         jax.profiler.start_trace(log_dir)
         for _ in range(steps):
@@ -156,7 +176,7 @@ def traced(run, state, batch, steps: int, hlo_text: str):
         for line in plane.lines
         if "XLAEigen" in line.name or "XLAPjRtCpuClient" in line.name
     ]
-    times, counts = self_times(lines, *opcodes(hlo_text))
+    times, counts = self_times(lines, *opcodes(hlo_text), by_instruction=by_instruction)
     return {k: v / steps for k, v in times.items()}, {k: v / steps for k, v in counts.items()}
 
 
@@ -225,10 +245,17 @@ def main(argv=None):
     parser.add_argument("--variants", default=DEFAULT, help=f"comma-separated; default {DEFAULT}")
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the tiny GPT (default {LAYERS})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (and 3 traced)")
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        help="also list each variant's N instruction kinds (a name less its number) with the most kernel self time, "
+        "by place (e.g. --top 15; compare two variants' lists to see where one spends more)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.layers < 4:
-        parser.error("--steps must be at least 1 and --layers at least 4 (one per stage at P=4)")
+    if args.steps < 1 or args.layers < 4 or args.top < 0:
+        parser.error("--steps must be at least 1, --layers at least 4 (one per stage at P=4), --top at least 0")
     variants = [parse_variant(v) for v in args.variants.split(",")]  # a bad one fails before any work
     probe = wait_probe()
     print(
@@ -249,7 +276,9 @@ def main(argv=None):
             batch = batches[0]
             label = f"{schedule} M={m} {policy}" + (" split" if split else "")
         wall, cpu, state = timed(run, state, batch, args.steps)
-        times, counts = traced(run, state, batch, 3, compiled.as_text())
+        times, counts = traced(run, state, batch, 3, compiled.as_text(), by_instruction=bool(args.top))
+        kinds = collections.Counter({(w, k): v for (c, w, *kind), v in times.items() if c == "kernels" for k in kind})
+        times, counts = _by_place(times), _by_place(counts)
         plain_cpu = cpu if variant is None else plain_cpu
         thread_ms = sum(times.values()) / 1e6
 
@@ -265,6 +294,10 @@ def main(argv=None):
                 for c in ("kernels", "dispatch", "collectives", "control")
             },
         }
+        if args.top:  # summed over the devices, per step
+            r["top_kernels_ms"] = [
+                {"where": w, "instruction": k, "ms": v / 1e6} for (w, k), v in kinds.most_common(args.top)
+            ]
         rows.append(r)
         print(
             f"{label:30s} wall {r['wall_ms']:6.1f} ms  cpu {r['cpu_ms']:6.1f} ms ({r['cpu_over_wall']:.2f} cores"
@@ -276,6 +309,8 @@ def main(argv=None):
             file=sys.stderr,
             flush=True,
         )
+        for row in r.get("top_kernels_ms", ()):
+            print(f"    {row['ms']:8.2f} ms  {row['where']:8s} {row['instruction']}", file=sys.stderr)
     record = {
         "benchmark": "thunk_time",
         "command": "python benchmarks/thunk_time.py " + " ".join(argv if argv is not None else sys.argv[1:]),

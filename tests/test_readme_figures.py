@@ -113,6 +113,15 @@ def test_the_overhead_table_matches_its_record():
     )
     assert said in text, said
     assert heap[sa]["over_plain"] <= heap[ra]["over_plain"]
+    fills = {}
+    for row in _record("thunk_time_interleaved_m8.json")["rows"]:
+        (ms,) = [
+            k["ms"] for k in row["top_kernels_ms"] if (k["where"], k["instruction"]) == ("outside", "wrapped_broadcast")
+        ]
+        fills[row["variant"].split()[-1]] = ms
+    said = f"take {fills['save-all']:.1f} ms a step summed over the 4 devices under save-all, against "
+    said += f"{fills['recompute-all']:.1f} ms"
+    assert said in text, said
     assert f"at M=32 takes {record['compile_ratio_m32_over_m4']:.2f}x the time at M=4" in README
 
 

@@ -81,6 +81,13 @@ def test_each_event_counts_its_own_time_where_its_instruction_runs():
         ("dispatch", "branch"): 38 - 20,
     }
     assert counts[("dispatch", "loop")] == 1 and counts[("kernels", "branch")] == 1
+    # By instruction kind (the name less its number): the same times, split further.
+    kinds, _ = self_times([events], op_of, where_of, by_instruction=True)
+    assert kinds[("kernels", "branch", "fusion")] == 20 and kinds[("collectives", "loop", "permute")] == 4
+    summed = {}
+    for (cat, where, _), ns in kinds.items():
+        summed[(cat, where)] = summed.get((cat, where), 0) + ns
+    assert summed == times
 
 
 def test_a_variant_names_schedule_policy_and_microbatches():
