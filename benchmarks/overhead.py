@@ -86,7 +86,7 @@ def plain_step(config_name, batch, seq, seed=0, devices=4, layers=None):
 def pipelined_program(
     microbatches, batch, seq, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
 ):
-    """The pipelined train step compiled: ``(compiled, run, state, a batch, compile seconds)`` with
+    """The pipelined train step compiled: ``(compiled, run, state, batches, compile seconds)`` with
     ``run(state, batch) -> state``, the state ``(params, opt_state)``."""
     trainer = Trainer(
         TrainConfig(
@@ -112,21 +112,6 @@ def pipelined_program(
 
     batches = [trainer.put_batch(state.data.batch_at(i * batch)) for i in range(4)]
     return compiled, run, (state.params, state.opt_state), batches, compile_seconds
-
-
-def pipelined(
-    microbatches, batch, seq, steps, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
-):
-    compiled, run, state, batches, compile_seconds = pipelined_program(
-        microbatches, batch, seq, schedule, stages, policy, model, split
-    )
-    if steps == 0:
-        return None, compile_seconds
-    if steps < 0:  # the compiled step itself
-        return compiled, compile_seconds
-    carried, _ = time_steps(run, state, batches, 2)
-    _, seconds = time_steps(run, carried, batches, steps)
-    return seconds, compile_seconds
 
 
 # Eight layers: one per stage at P=4 with two stages per rank (interleaved, V-shape).
@@ -170,7 +155,7 @@ def main(argv=None):
     B, T, model = args.batch_size, args.seq_len, get_model("tiny", n_layers=LAYERS)
 
     if args.profile:
-        compiled, _ = pipelined(8, B, T, -1, policy=args.policy, model=model)
+        compiled, *_ = pipelined_program(8, B, T, policy=args.policy, model=model)
         traffic = tick_traffic(compiled)
         print(f"1F1B P=4 M=8 {args.policy}, tiny GPT ({LAYERS} layers), batch {B} x {T}:")
         print(traffic.summary())
@@ -227,8 +212,8 @@ def main(argv=None):
                 )
     plain4_s = float(np.median(plain_rounds))
     print(f"plain jit, data parallel over 4 devices: {plain4_s:.4f} s/step (median of its rounds)", file=sys.stderr)
-    _, compile_m4 = pipelined(4, B, T, 0, model=model)
-    _, compile_m32 = pipelined(32, B, T, 0, model=model)
+    compile_m4 = pipelined_program(4, B, T, model=model)[-1]
+    compile_m32 = pipelined_program(32, B, T, model=model)[-1]
     record = {
         "benchmark": "overhead",
         "command": "python benchmarks/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),

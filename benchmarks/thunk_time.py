@@ -277,8 +277,12 @@ def main(argv=None):
             label = f"{schedule} M={m} {policy}" + (" split" if split else "")
         wall, cpu, state = timed(run, state, batch, args.steps)
         times, counts = traced(run, state, batch, 3, compiled.as_text(), by_instruction=bool(args.top))
-        kinds = collections.Counter({(w, k): v for (c, w, *kind), v in times.items() if c == "kernels" for k in kind})
-        times, counts = _by_place(times), _by_place(counts)
+        kinds = collections.Counter()  # kernel self time by (where, instruction kind), with --top
+        if args.top:
+            for (cat, where, kind), ns in times.items():
+                if cat == "kernels":
+                    kinds[(where, kind)] += ns
+            times, counts = _by_place(times), _by_place(counts)
         plain_cpu = cpu if variant is None else plain_cpu
         thread_ms = sum(times.values()) / 1e6
 
