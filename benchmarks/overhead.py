@@ -5,6 +5,8 @@ and policies; compile time vs microbatches; and what one tick of the compiled st
     python benchmarks/overhead.py --profile [--policy save-all]  # the tick loop of 1F1B P=4 M=8
     python benchmarks/overhead.py --split-backward --schedules zbv,chronos --json
         # each variant with and without split_backward, in the same rounds (results/overhead_split.json)
+    python benchmarks/overhead.py --hand-recomputed --schedules zbv,chronos --policies selective,recompute-all --json
+        # each variant split, with and without hand_recomputed, in the same rounds (results/overhead_hand.json)
 
 Measured in one process on virtual CPU devices (P=4 on 4 devices): every pipelined step against the
 plain ``jax.jit(value_and_grad + Adam)`` step on the SAME 4 devices (data parallel: the batch split
@@ -84,7 +86,7 @@ def plain_step(config_name, batch, seq, seed=0, devices=4, layers=None):
 
 
 def pipelined_program(
-    microbatches, batch, seq, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False
+    microbatches, batch, seq, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False, hand=False
 ):
     """The pipelined train step compiled: ``(compiled, run, state, batches, compile seconds)`` with
     ``run(state, batch) -> state``, the state ``(params, opt_state)``."""
@@ -99,6 +101,7 @@ def pipelined_program(
             seq_len=seq,
             steps=1,
             split_backward=split,
+            hand_recomputed=hand,
         )
     )
     state = trainer.init_state()
@@ -148,6 +151,12 @@ def main(argv=None):
         action="store_true",
         help="time every variant without and with split_backward (W takes I's cotangents), in the same rounds",
     )
+    parser.add_argument(
+        "--hand-recomputed",
+        action="store_true",
+        help="time every variant with split_backward, without and with hand_recomputed (W takes what I "
+        "recomputed too), in the same rounds",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
@@ -168,17 +177,21 @@ def main(argv=None):
     plain_state, _ = time_steps(plain_run, plain_state, plain_batches, 2)  # warm up
     plain_rounds = []
     rows = []
+    if args.hand_recomputed:
+        variants = [(True, False), (True, True)]
+    else:
+        variants = [(False, False), (True, False)] if args.split_backward else [(False, False)]
     for schedule in args.schedules.split(","):
         for m in [int(x) for x in args.microbatches.split(",")]:
             ideal = bubble_ideal(schedule, 4, m)
             group = []
             for policy in args.policies.split(","):
-                for split in (False, True) if args.split_backward else (False,):
+                for split, hand in variants:
                     _, run, state, batches, compile_s = pipelined_program(
-                        m, B, T, schedule=schedule, policy=policy, model=model, split=split
+                        m, B, T, schedule=schedule, policy=policy, model=model, split=split, hand=hand
                     )
                     state, _ = time_steps(run, state, batches, 2)  # warm up
-                    group.append({"policy": policy, "split": split, "run": run, "state": state,
+                    group.append({"policy": policy, "split": split, "hand": hand, "run": run, "state": state,
                                   "batches": batches, "compile": compile_s, "seconds": [], "ratios": []})  # fmt: skip
             for _ in range(args.rounds):  # the plain step and every variant in turn, each round
                 plain_state, plain_s = time_steps(plain_run, plain_state, plain_batches, args.steps)
@@ -194,7 +207,8 @@ def main(argv=None):
                         "schedule": schedule,
                         "microbatches": m,
                         "policy": v["policy"],
-                        **({"split_backward": v["split"]} if args.split_backward else {}),
+                        **({"split_backward": v["split"]} if args.split_backward or args.hand_recomputed else {}),
+                        **({"hand_recomputed": v["hand"]} if args.hand_recomputed else {}),
                         "step_seconds": seconds,
                         "compile_seconds": v["compile"],
                         "over_plain": ratio,
@@ -204,7 +218,8 @@ def main(argv=None):
                     }
                 )
                 print(
-                    f"{schedule:17s} M={m:<3d} {v['policy']:14s}{' split' if v['split'] else '      '} "
+                    f"{schedule:17s} M={m:<3d} {v['policy']:14s}{' split' if v['split'] else '      '}"
+                    f"{' hand' if v['hand'] else '     '} "
                     f"{seconds:7.4f} s  {ratio:5.2f}x plain (rounds {min(v['ratios']):.2f}-{max(v['ratios']):.2f})  "
                     f"ideal {ideal:5.3f}  {ratio / ideal:5.2f}x ideal",
                     file=sys.stderr,

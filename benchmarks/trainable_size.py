@@ -56,12 +56,15 @@ METHODS = [
 def score(base, layers, schedule_name, virtual, policy, args, hardware):
     """The method at ``layers``: on a schedule with I and W, the better of W running the whole
     pullback again and W taking I's cotangents (``split_backward``: half a backward, for their
-    memory), as the planner chooses -- fitting first, then faster."""
+    memory), as the planner chooses -- fitting first, then faster; with ``--hand-recomputed``, also
+    the split with W given what I recomputed (``hand_recomputed``)."""
     config = dataclasses.replace(base, n_layers=layers)
     schedule = generate(schedule_name, args.pipe, args.microbatches, virtual)
     stages = schedule.num_stages  # 2P for the V-shaped schedules: a multiple of P may split unevenly
     counts = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
-    splits = (False, True) if uses_split_backward(schedule) else (False,)
+    splits = [(False, False), (True, False)] if uses_split_backward(schedule) else [(False, False)]
+    if args.hand_recomputed and uses_split_backward(schedule):
+        splits.append((True, True))
     scored = [
         evaluate(
             config,
@@ -75,8 +78,9 @@ def score(base, layers, schedule_name, virtual, policy, args, hardware):
             layer_counts=counts,
             vocab_parallel=args.vocab_parallel,
             split_backward=split,
+            hand_recomputed=hand,
         )
-        for split in splits
+        for split, hand in splits
     ]
     return min(scored, key=lambda c: (not c.fits, -c.tokens_per_second))
 
@@ -136,7 +140,7 @@ def _at_the_papers_depth(base, one_layers, args, hardware):
     ]
     e = estimate(config, schedule, cand.policy, batch=args.batch_size, seq=args.seq_len, hardware=hardware,
                  layer_counts=counts, vocab_parallel=args.vocab_parallel,
-                 split_backward=cand.split_backward)  # fmt: skip
+                 split_backward=cand.split_backward, hand_recomputed=cand.hand_recomputed)  # fmt: skip
     row = {
         "layers": layers,
         "fits": cand.fits,
@@ -286,6 +290,12 @@ def main(argv=None):
         help="score only these methods (repeatable; 1F1B, which sets the throughput floor, and ChronosPipe "
         "(all) are always scored)",
     )
+    parser.add_argument(
+        "--hand-recomputed",
+        action="store_true",
+        help="on schedules with I and W, also score the split with W given what I recomputed "
+        "(hand_recomputed), which jaxmem plan does not try for the generated Chronos policies",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("-o", "--output", help="plot (.png)")
     args = parser.parse_args(argv)
@@ -327,6 +337,7 @@ def main(argv=None):
                 "device_bytes": cand.device_bytes if cand else None,
                 "step_seconds": cand.step_seconds if cand else None,
                 "split_backward": cand.split_backward if cand else False,
+                "hand_recomputed": cand.hand_recomputed if cand else False,
                 "note": cand.note if cand else "",
             }
         )
@@ -334,6 +345,7 @@ def main(argv=None):
             f"{method[0]:26s} max layers {layers:4d} (memory only {memory_only:4d})  "
             f"per-layer throughput {throughput:14,.0f} layer-tokens/s"
             + (" split backward" if cand and cand.split_backward else "")
+            + (", recomputed handed" if cand and cand.hand_recomputed else "")
             + (f"  ({cand.note})" if cand and cand.note else ""),
             file=sys.stderr,
         )

@@ -151,6 +151,9 @@ class TrainConfig:
         split_backward: on schedules that split the backward (zb-h1, zbv, chronos), W takes I's
             cotangents instead of running the stage's pullback again: faster, at the memory of those
             cotangents from I to W (:class:`~jaxmem.pipeline.Pipeline`'s ``split_backward``).
+        hand_recomputed: with ``split_backward``, I also hands W the forward values it recomputed,
+            so W recomputes no forward: faster under a policy that recomputes, at the memory of
+            those activations from I to W (:class:`~jaxmem.pipeline.Pipeline`'s ``hand_recomputed``).
         devices: virtual CPU devices to create when there is no accelerator (default D x F x P x T).
         steps: optimizer steps.
         seq_len: tokens per sequence.
@@ -231,6 +234,7 @@ class TrainConfig:
     zero: bool = True
     vocab_split: bool = True
     split_backward: bool = False
+    hand_recomputed: bool = False
     devices: int | None = None
     steps: int = OptimizerSpec.steps  # the optimizer's fields default as its spec does
     seq_len: int = 64
@@ -323,6 +327,11 @@ class TrainConfig:
         if generated and self.adaptive:
             raise JaxmemError(
                 f"{_s('adaptive')} picks the policy itself; drop {_s('policy', self.policy)} (or {_s('adaptive')})"
+            )
+        if self.hand_recomputed and not self.split_backward:
+            raise JaxmemError(
+                f"{_s('hand_recomputed')} hands W what I recomputed when the backward is split: set "
+                f"{_s('split_backward')} too"
             )
         if self.init_from is not None:
             self._check_init_from()
@@ -511,6 +520,7 @@ class TrainConfig:
             layer_counts=self.layers_per_stage,
             hardware=self.hardware_profile(),
             split_backward=self.split_backward,
+            hand_recomputed=self.hand_recomputed,
         )
         if not candidate.fits:
             raise JaxmemError(

@@ -148,6 +148,7 @@ def verify(
     loss_mask: bool = False,
     perturb=None,
     split_backward: bool = False,
+    hand_recomputed: bool = False,
 ) -> dict:
     """Run one pipelined gradient and compare it with ``jax.value_and_grad`` of the whole model on the
     same batch.
@@ -169,6 +170,7 @@ def verify(
         perturb: ``grads -> grads`` applied to the pipelined gradients before comparing (to check that
             the check fails when a gradient is wrong).
         split_backward: W takes I's cotangents (:class:`~jaxmem.pipeline.Pipeline`'s ``split_backward``).
+        hand_recomputed: and the forward values I recomputed (the pipeline's ``hand_recomputed``).
 
     Returns:
         ``ok`` (structures equal and every array within the dtype's tolerance), ``max_abs_diff``,
@@ -191,6 +193,7 @@ def verify(
         zero=zero,
         vocab_parallel=vocab_parallel,
         split_backward=split_backward,
+        hand_recomputed=hand_recomputed,
     )
     replicas = data_parallel * fsdp
     size = replicas * schedule.num_microbatches * microbatch_size

@@ -188,3 +188,47 @@ def test_w_without_the_split_runs_a_whole_backward_and_the_planner_weighs_the_sp
     assert config.split_backward
     args = type("Args", (), {"model": "tiny", "budget": "1GiB", "hardware": "h100"})()
     assert "--split-backward" in train_command(roomy, args, BATCH, SEQ)
+
+
+def test_w_given_what_i_recomputed_recomputes_nothing_and_the_planner_weighs_it():
+    """With ``hand_recomputed`` I hands W the forward values it recomputed: W is charged no
+    recompute (a split W otherwise re-runs what its products read), and the ledger holds those
+    values from I to W. The planner tries it for the presets that recompute and takes it only where
+    it fits."""
+    from jaxmem.cli.plan import train_command
+    from jaxmem.config import TrainConfig
+    from jaxmem.schedule import Action, Kind
+    from jaxmem.search import search
+    from jaxmem.train import planned_config
+
+    model = get_model("tiny")
+    schedule = generate("zbv", 4, 8)
+    run = dict(batch=BATCH, seq=SEQ, hardware="h100", split_backward=True)
+    split, hand = (estimate(model, schedule, "recompute-all", hand_recomputed=h, **run) for h in (False, True))
+    saved = [estimate(model, schedule, "save-all", hand_recomputed=h, **run) for h in (False, True)]
+    for stage in range(schedule.num_stages):
+        i, w = Action(stage, Kind.I, 0), Action(stage, Kind.W, 0)
+        assert hand.costs.duration(i, schedule) == split.costs.duration(i, schedule)
+        # W no longer runs the recompute I runs: what I costs beyond I under save-all.
+        recompute = split.costs.duration(i, schedule) - saved[0].costs.duration(i, schedule)
+        assert recompute > 0
+        assert split.costs.duration(w, schedule) - hand.costs.duration(w, schedule) == pytest.approx(recompute)
+    assert hand.step_seconds < split.step_seconds and hand.device_bytes > split.device_bytes
+    # Under save-all I recomputes only what is cheap (reshapes, casts of saved values): no time
+    # changes, and the memory by under 2% (the planner does not try it there).
+    assert saved[0].step_seconds == saved[1].step_seconds
+    assert saved[1].device_bytes == pytest.approx(saved[0].device_bytes, rel=0.02)
+
+    kw = dict(devices=4, batch=BATCH, seq=SEQ, schedules=("zbv",), pipes=[4], fsdp=False)
+    kw.update(microbatches=[8], hardware="h100", split_backward=True)
+    roomy = search(model, budget_bytes=2 * hand.device_bytes, policies=("recompute-all",), **kw)
+    assert {c.hand_recomputed for c in roomy.candidates} == {False, True}
+    assert roomy.best.hand_recomputed and roomy.best.step_seconds == pytest.approx(hand.step_seconds)
+    tight = search(model, budget_bytes=(split.device_bytes + hand.device_bytes) / 2, policies=("recompute-all",), **kw)
+    assert not tight.best.hand_recomputed
+    # save-all is not tried with it: it would hand nothing more.
+    assert not any(c.hand_recomputed for c in search(model, budget_bytes=1e12, policies=("save-all",), **kw).candidates)
+    config = planned_config(TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ), roomy.best, 4)
+    assert config.split_backward and config.hand_recomputed
+    args = type("Args", (), {"model": "tiny", "budget": "1GiB", "hardware": "h100"})()
+    assert "--split-backward --hand-recomputed" in train_command(roomy.best, args, BATCH, SEQ)

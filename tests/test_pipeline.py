@@ -165,17 +165,58 @@ def test_a_split_backward_runs_the_cotangents_once_and_hands_w_what_it_reads():
     assert [i for i in moves if i.opcode == "copy"] == [], [i.shape for i in moves]
 
 
-SPLIT_CASES = [  # (model, schedule, policy, data-parallel, fsdp)
-    ("tiny", "zbv", "save-all", 1, 1),
-    ("llama-tiny", "zb-h1", "recompute-all", 2, 1),
-    ("llama-tiny", "chronos", "selective", 1, 2),
+def test_w_handed_what_i_recomputed_runs_only_the_weight_products():
+    """Under recompute-all a split W re-runs the forward its weight products read; with
+    hand_recomputed I hands it those values, and W's matrix products are the four weight products of
+    a GPT layer alone, I's unchanged. The tick program lays out what the split hands over, and the
+    ledger predicts the program's stash (transfers included) exactly."""
+    from jaxmem.memory import predict
+    from jaxmem.memory._ledger import _arena_bytes
+    from jaxmem.pipeline import batch_spec
+
+    splits, stashes = {}, {}
+    for hand in (False, True):
+        config = TrainConfig(
+            schedule="zbv", pipe=2, microbatches=4, batch_size=8, seq_len=16, policy="recompute-all",
+            split_backward=True, hand_recomputed=hand,
+        )  # fmt: skip
+        pipe = Trainer(config).pipeline
+        spec = batch_spec(8, 16)
+        tick, plans = pipe.program(spec)
+        middle = next(c for c in tick.classes if not c.first and not c.last)
+        splits[hand] = pipe.backward_split(middle, plans[middle], pipe.microbatch_spec(spec), pipe.message_spec(spec))
+        assert tick.class_transfer_elems[tick.classes.index(middle)] == splits[hand].transfer_elems()
+        ledger = predict(pipe.model, pipe.schedule, "recompute-all", batch=8, seq=16, split_backward=True,
+                         hand_recomputed=hand)  # fmt: skip
+        stashes[hand] = ledger.ranks[0].categories["stash"].device
+        assert stashes[hand] == _arena_bytes(tick)[0]  # the tick program's arenas, transfers included
+
+    def dots(eqns):
+        return sum(e.primitive.name == "dot_general" for e in eqns)
+
+    plain, hand = splits[False].split, splits[True].split
+    assert dots(hand.w_eqns) == 4 * middle.layers < dots(plain.w_eqns)
+    assert dots(hand.i_eqns) == dots(plain.i_eqns)
+    assert sum(hand.transfer_elems().values()) > sum(plain.transfer_elems().values())
+    assert stashes[True] > stashes[False]
+    with pytest.raises(JaxmemError, match="split_backward"):
+        TrainConfig(schedule="zbv", pipe=2, microbatches=4, hand_recomputed=True)
+
+
+SPLIT_CASES = [  # (model, schedule, policy, data-parallel, fsdp, hand_recomputed)
+    ("tiny", "zbv", "save-all", 1, 1, False),
+    ("llama-tiny", "zb-h1", "recompute-all", 2, 1, False),
+    ("llama-tiny", "chronos", "selective", 1, 2, False),
+    ("tiny", "zbv", "recompute-all", 1, 1, True),
+    ("llama-tiny", "chronos", "selective", 1, 2, True),
 ]
 
 
-@pytest.mark.parametrize("model,name,policy,d,f", SPLIT_CASES)
-def test_a_split_backward_gives_plain_gradients(model, name, policy, d, f):
-    """I handing W its cotangents (split_backward) leaves the gradients jax.grad's, with data
-    parallelism, FSDP and a split vocabulary (the first stage's I then has an input gradient)."""
+@pytest.mark.parametrize("model,name,policy,d,f,hand", SPLIT_CASES)
+def test_a_split_backward_gives_plain_gradients(model, name, policy, d, f, hand):
+    """I handing W its cotangents (split_backward), and what it recomputed (hand_recomputed), leaves
+    the gradients jax.grad's, with data parallelism, FSDP and a split vocabulary (the first stage's
+    I then has an input gradient)."""
     schedule = generate(name, 2, 4)
     result = verify(
         schedule,
@@ -184,6 +225,7 @@ def test_a_split_backward_gives_plain_gradients(model, name, policy, d, f):
         data_parallel=d,
         fsdp=f,
         split_backward=True,
+        hand_recomputed=hand,
     )
     assert result["ok"] and result["max_rel_diff"] < 1e-5, result
 

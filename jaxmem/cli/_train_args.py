@@ -121,6 +121,13 @@ def add_arguments(p) -> None:
         help="on schedules that split the backward (zb-h1, zbv, chronos): W takes I's cotangents instead of "
         "running the stage's backward again -- faster, at the memory of those cotangents from I to W",
     )
+    g.add_argument(
+        "--hand-recomputed",
+        action="store_true",
+        default=None,
+        help="with --split-backward: I also hands W the forward values it recomputed, so W recomputes no "
+        "forward -- faster under a recompute policy, at the memory of those activations from I to W",
+    )
     g.add_argument("--devices", type=int, help="virtual CPU devices when there is no accelerator (default D x F x P)")
     g.add_argument(
         "--policy",

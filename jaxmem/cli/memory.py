@@ -69,6 +69,16 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=positive_int, default=64, help="sequence length (default 64)")
     add_mesh_arguments(p)
     p.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="on schedules that split the backward (zb-h1, zbv, chronos): W takes I's cotangents, held from I to W",
+    )
+    p.add_argument(
+        "--hand-recomputed",
+        action="store_true",
+        help="with --split-backward: I also hands W the forward values it recomputed, held from I to W",
+    )
+    p.add_argument(
         "--compile",
         choices=["auto", "yes", "no"],
         default="auto",
@@ -112,6 +122,8 @@ def _config(args, budget=None):
         zero=args.zero,
         vocab_split=args.vocab_split,
         policy=args.policy,
+        split_backward=args.split_backward,
+        hand_recomputed=args.hand_recomputed,
         steps=1,
     )
 
@@ -137,6 +149,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
         vocab_parallel=config.vocab_parallel,
         layer_counts=config.layers_per_stage,
         split_backward=config.split_backward,
+        hand_recomputed=config.hand_recomputed,
     )
     devices = config.num_devices
     small = predicted.max_device_bytes * devices < 2 * 2**30

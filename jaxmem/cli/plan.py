@@ -26,7 +26,9 @@ Searches meshes of the devices (pipeline sizes, a tensor split of each pipe rank
 4 or 8 for models that annotate one, and the rest split between whole-parameter data replicas and
 FSDP shards; an FSDP-only layout without a pipeline is one candidate; --mesh fixes one), schedules (gpipe,
 1f1b, interleaved-1f1b, zb-h1, zbv, chronos; the last three with and without --split-backward, which
-makes W half a backward for the memory of the cotangents I hands it), microbatch counts and policies
+makes W half a backward for the memory of the cotangents I hands it, and under selective and
+recompute-all also with --hand-recomputed, which spares W its recompute for the memory of the
+activations I recomputed), microbatch counts and policies
 (save-all, selective, recompute-all, Chronos-Recomp, Chronos-Offload and both), scores each with the predicted memory
 ledger and the schedule simulator on a hardware profile (h100, tpu-v5p, or cpu = measured on this
 machine), and returns the fastest that fits. The optimizer state is sharded over the replicas (ZeRO)
@@ -234,6 +236,8 @@ def train_command(best, args, batch: int, seq: int, planned: float | None = None
     words += ["--policy", best.policy_name]
     if best.split_backward:
         words += ["--split-backward"]
+    if best.hand_recomputed:
+        words += ["--hand-recomputed"]
     if best.policy_name in GENERATED_POLICIES:
         # Generated for this layout under the budget on the profile: the same inputs make the same policy.
         budget = args.budget if planned is None else f"{math.floor(planned)}"

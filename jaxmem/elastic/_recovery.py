@@ -252,7 +252,12 @@ def choose_recovery(
         return model_layer_counts(model, stages) if model.layer_families else balanced_layers(layers, stages)
 
     original_counts = tuple(config.layers_per_stage or split(schedule_for(P).num_stages))
-    layout = {"zero": config.zero, "vocab_parallel": config.vocab_parallel, "split_backward": config.split_backward}
+    layout = {
+        "zero": config.zero,
+        "vocab_parallel": config.vocab_parallel,
+        "split_backward": config.split_backward,
+        "hand_recomputed": config.hand_recomputed,
+    }
     budget = budget or config.budget
 
     def modelled(stages, data, counts, procs, schedule=None, fsdp=F):

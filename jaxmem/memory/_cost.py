@@ -231,6 +231,7 @@ def step_costs(
     master_cut: bool = False,
     families=None,
     split_backward: bool = False,
+    hand_recomputed: bool = False,
 ) -> Costs:
     """Costs for :func:`jaxmem.schedule.simulate`, in seconds on ``hardware``.
 
@@ -243,7 +244,8 @@ def step_costs(
 
     - with ``split_backward`` (:attr:`~jaxmem.pipeline.Pipeline.splits_backward`: I hands W the
       cotangents its weight gradients read), half the plain backward each, plus the recompute (each
-      re-runs what it needs from the saved values);
+      re-runs what it needs from the saved values); with ``hand_recomputed`` as well, I hands W the
+      values it recomputed, and W recomputes nothing;
     - without it, I is the same half and W runs the whole pullback again, XLA dropping only what
       the stage's input gradient alone needs (the first layer's input products, 1/layers of I's
       work): priced as a whole B.
@@ -377,7 +379,7 @@ def step_costs(
         if action.kind is Kind.I:
             return recompute + (excess[action.stage] + traffic) / 2 + comm + backward_comm
         if split_backward:
-            return recompute + (excess[action.stage] + traffic) / 2 + comm
+            return (0.0 if hand_recomputed else recompute) + (excess[action.stage] + traffic) / 2 + comm
         # The whole pullback again: the cotangents' chain (I's products, a forward's FLOPs) beside the
         # weight products the simulator charges W.
         return forward_seconds[action.stage] + recompute + excess[action.stage] + traffic / 2 + comm
@@ -610,6 +612,7 @@ def estimate(
     facts=None,
     memory: bool = True,
     split_backward: bool = False,
+    hand_recomputed: bool = False,
 ) -> Estimate:
     """Memory and step time of (model, schedule, policy, shape) on a hardware profile: the one
     prediction the planner, the profiler, the recovery planner and the benchmarks share.
@@ -618,7 +621,8 @@ def estimate(
     a rerouted pipeline where one rank holds an extra stage. ``split_backward``: the pipeline's; where
     it takes effect (a schedule with I and W, no tensor axis: :func:`splits_backward`) the ledger
     holds the I->W cotangents and W costs half a backward, otherwise W runs the whole pullback again
-    (:func:`step_costs`).
+    (:func:`step_costs`). ``hand_recomputed`` (with the split): I hands W the forward values it
+    recomputed too; the ledger holds them from I to W, and W recomputes nothing.
 
     >>> from jaxmem.schedule import generate
     >>> e = estimate("tiny", generate("1f1b", 4, 8), "selective", batch=32, seq=64)
@@ -652,6 +656,7 @@ def estimate(
             layer_counts=counts,
             drop_layers=drop_layers,
             split_backward=split_backward,
+            hand_recomputed=hand_recomputed,
             facts=facts,
         )
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
@@ -684,6 +689,7 @@ def estimate(
         master_cut=cut,
         families=facts.stage_families(counts, drop_layers) if facts.families is not None else None,
         split_backward=splits_backward(schedule, split_backward, tensor),
+        hand_recomputed=hand_recomputed,
     )
     simulation = simulate(schedule, costs)
     transfers = state_transfer_seconds(

@@ -402,16 +402,19 @@ class ModelFacts:
         seq: int,
         vocab: bool = False,
         families: tuple[int, ...] | None = None,
+        hand_recomputed: bool = False,
     ) -> dict[tuple[str, str], int]:
         """Per device arena, the elements one stage-microbatch's I hands its W when the schedule
         splits its backward (:mod:`jaxmem.pipeline._iw`), from the same split the executor traces;
-        composed over layers as :meth:`stage` is (arguments as its)."""
+        composed over layers as :meth:`stage` is (arguments as its; ``hand_recomputed`` as the
+        pipeline's)."""
         parts = self._parts(first, last, layers, policy, vocab, families)
-        mixed = _mixed([(self._transfers(f, la, fams, p, seq, v), 1) for f, la, fams, p, v in parts])
+        hand = bool(hand_recomputed)
+        mixed = _mixed([(self._transfers(f, la, fams, p, seq, v, hand), 1) for f, la, fams, p, v in parts])
         return {key: int(round(n * microbatch)) for key, n in mixed.items()}
 
-    def _transfers(self, first, last, fams, policy, seq, vocab=False) -> dict:
-        key = ("transfers", first, last, fams, policy, seq, vocab)
+    def _transfers(self, first, last, fams, policy, seq, vocab=False, hand=False) -> dict:
+        key = ("transfers", first, last, fams, policy, seq, vocab, hand)
         cache = self._stage_cache
         if key not in cache:
             if len(fams) <= 2:
@@ -420,13 +423,13 @@ class ModelFacts:
                 plan, stage, x = self._traced_plan(first, last, fams, policy, seq, vocab)
                 input_grad = not (first and not vocab)  # the first stage's input gradient goes nowhere
                 shared, batch = self._stage_shared(vocab), self.batch(1, seq)
-                split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad)
+                split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad, hand_recomputed=hand)
                 cache[key] = split.transfer_elems()
             else:  # each further layer adds what a second layer of its family adds to a first
-                parts = [(self._transfers(first, last, fams[:1], policy, seq, vocab), 1)]
+                parts = [(self._transfers(first, last, fams[:1], policy, seq, vocab, hand), 1)]
                 for f in fams[1:]:
-                    parts.append((self._transfers(first, last, (f, f), policy, seq, vocab), 1))
-                    parts.append((self._transfers(first, last, (f,), policy, seq, vocab), -1))
+                    parts.append((self._transfers(first, last, (f, f), policy, seq, vocab, hand), 1))
+                    parts.append((self._transfers(first, last, (f,), policy, seq, vocab, hand), -1))
                 cache[key] = _mixed(parts)
         return cache[key]
 
@@ -629,24 +632,29 @@ class ModelFacts:
         )
 
     def split_working(
-        self, *, first, last, layers, policy, microbatch, seq, vocab=False, families=None
+        self, *, first, last, layers, policy, microbatch, seq, vocab=False, families=None, hand_recomputed=False
     ) -> float | None:
         """Per device, the working set of one stage-microbatch's backward when the schedule splits it
-        into I and W (:mod:`jaxmem.pipeline._iw`): the larger of the two parts' temporaries, each
-        compiled alone. None for a stage that recomputes layers apart (its parts are composed; the
-        whole backward's working set stands for it)."""
+        into I and W (:mod:`jaxmem.pipeline._iw`; ``hand_recomputed`` as the pipeline's): the larger
+        of the two parts' temporaries, each compiled alone. None for a stage that recomputes layers
+        apart (its parts are composed; the whole backward's working set stands for it)."""
         if policy.recompute_layers:
             return None
         fams = self._fams(layers, families)
         vocab = bool(vocab) and (first or last)
-        return self._working(first, last, fams, policy, seq, vocab, split=True) * microbatch
+        # Where I recomputed nothing W reads, handing it over is the same split: compiled once.
+        hand = hand_recomputed and self._transfers(first, last, fams, policy, seq, vocab, True) != self._transfers(
+            first, last, fams, policy, seq, vocab
+        )
+        return self._working(first, last, fams, policy, seq, vocab, split="hand" if hand else True) * microbatch
 
     def _working(self, first, last, fams, policy, seq, vocab=False, tensor=1, split=False) -> float | None:
         """Per sequence (and device): the temporaries of the stage's pullback compiled alone, at
         ``WORKSET_MICROBATCH`` sequences (a microbatch of one lays some buffers out apart); more
         than two layers are extrapolated from one and two, as the other facts are. With ``tensor``
         > 1, compiled on a ``tensor`` mesh of local devices (None when there are too few). With
-        ``split``, the larger of its I and W parts' (:meth:`split_working`)."""
+        ``split``, the larger of its I and W parts' (:meth:`split_working`; ``"hand"``: I hands W
+        what it recomputed too)."""
         # The pullback compiled alone takes its stash as arguments wherever the executor keeps it:
         # where the stash lives does not change its temporaries (equal on every preset, tiny GPT and
         # Llama), so the offloaded variants share the compile.
@@ -681,7 +689,9 @@ class ModelFacts:
             if mesh is not None:
                 stage, shared = self._tensor_placed(stage, shared, mesh, vocab)
             if split:
-                lowered = _lower_split(plan, stage, shared, x, batch, input_grad=not (first and not vocab))
+                lowered = _lower_split(
+                    plan, stage, shared, x, batch, input_grad=not (first and not vocab), hand_recomputed=split == "hand"
+                )
             else:
                 lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
             temps = [float(part.compile().memory_analysis().temp_size_in_bytes) for part in lowered]
@@ -818,7 +828,7 @@ def _lower_pullback(plan, stage, shared, x, batch, *, mesh=None):
     return jax.jit(backward_fn).lower(stage, jax.tree.map(placed, shared), jax.tree.map(placed, batch), packed, ct)
 
 
-def _lower_split(plan, stage, shared, x, batch, input_grad: bool) -> list:
+def _lower_split(plan, stage, shared, x, batch, input_grad: bool, hand_recomputed: bool = False) -> list:
     """The stage's backward split into I and W (:mod:`jaxmem.pipeline._iw`), each lowered alone as
     the executor runs it: I from the stash slot and the output's cotangent to the input gradient,
     writing its transfers into their arena in place; W from the same, reading the transfers back
@@ -828,7 +838,7 @@ def _lower_split(plan, stage, shared, x, batch, input_grad: bool) -> list:
 
     from jaxmem.pipeline import abstract_split
 
-    split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad)
+    split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad, hand_recomputed=hand_recomputed)
     packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items() if n}
     ct = jax.tree_util.tree_unflatten(plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals])
     args = (stage, shared, batch, packed, ct)

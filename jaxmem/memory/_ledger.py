@@ -113,6 +113,7 @@ def predict(
     drop_layers=frozenset(),
     facts=None,
     split_backward: bool = False,
+    hand_recomputed: bool = False,
 ) -> Ledger:
     """The predicted ledger: traced or closed-form facts (:mod:`jaxmem.memory._facts`), no compiling.
 
@@ -139,6 +140,8 @@ def predict(
         facts: the model's facts (default: :func:`model_facts`, cached).
         split_backward: W takes I's cotangents (``Pipeline(split_backward=True)``): they are kept from
             I to W, and the backward's working set is the larger of I's and W's.
+        hand_recomputed: with the split, I also hands W the forward values it recomputed
+            (``Pipeline(hand_recomputed=True)``): they are kept from I to W as well.
     """
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
@@ -190,6 +193,7 @@ def predict(
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
     # Split backwards (zero-bubble schedules, no tensor axis) also keep what each I hands its W.
     splits = splits_backward(schedule, split_backward, tensor)
+    hand = splits and bool(hand_recomputed)
     class_sizes, class_transfers, working, item = {}, {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]
@@ -205,7 +209,7 @@ def predict(
         )
         stage = facts.stage(**shape, microbatch=mb)
         class_sizes[c] = stash_rows(stage.stash_elems, tensor)
-        class_transfers[c] = facts.transfer_elems(**shape, microbatch=mb) if splits else {}
+        class_transfers[c] = facts.transfer_elems(**shape, microbatch=mb, hand_recomputed=hand) if splits else {}
         # The backward's working set, read from the program: the temporaries of the stage's
         # pullback compiled alone (the largest over the classes). With a tensor axis it is compiled
         # on a tensor mesh where this process has the devices; elsewhere the cut part of the
@@ -214,7 +218,7 @@ def predict(
         part = facts.tensor_cut(variant, seq, tensor)
         own = facts.tensor_working(**shape, microbatch=mb, tensor=tensor)
         if splits:  # I and W each compiled alone: the larger
-            own = facts.split_working(**shape, microbatch=mb)
+            own = facts.split_working(**shape, microbatch=mb, hand_recomputed=hand)
         if own is None:  # whole-stage compile, its cut part modelled
             own = stage.working_bytes * (1 - part.full * (1 - 1 / tensor))
         working = max(working, own)
@@ -266,6 +270,7 @@ def predict(
             "vocab_parallel": vocab,
             "layers_per_stage": list(counts),
             "split_backward": splits,
+            "hand_recomputed": hand,
         }
     )
     return Ledger("predicted", ranks, meta)

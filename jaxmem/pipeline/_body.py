@@ -428,7 +428,7 @@ class _Run:
                 return plan.pullback(params, shared_in, self.x_like, micro, current, pin=body.pin)(ct)
 
             input_grad = not (c.first and body.vocab_split is None)
-            split = stage_split(backward, *args, input_grad=input_grad)
+            split = stage_split(backward, *args, input_grad=input_grad, hand_recomputed=body.pipeline.hand_recomputed)
             laid_out = body.tick.class_transfer_elems[body.tick.classes.index(c)]
             need = split.transfer_elems()
             if any(n > laid_out.get(key, 0) for key, n in need.items()):

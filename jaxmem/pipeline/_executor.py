@@ -201,6 +201,9 @@ class Pipeline:
             cotangents its weight products read instead of W running the stage's pullback again
             (:mod:`jaxmem.pipeline._iw`): faster, at the memory of those cotangents from I to W (the
             ledger prices them). Off by default; not with a ``tensor`` axis.
+        hand_recomputed: with ``split_backward``, I also hands W the forward values it recomputed
+            (under a policy that recomputes), so W recomputes no forward: a forward's FLOPs less per
+            W, for those activations' bytes kept from I to W (the ledger prices them).
 
     Use :meth:`value_and_grad` for loss and gradients, or :meth:`grad_fn` inside your own jitted
     step (see ``examples/train_own_model.py``).
@@ -219,6 +222,7 @@ class Pipeline:
         vocab_parallel: bool | None = None,
         master_cut: bool | None = None,
         split_backward: bool = False,
+        hand_recomputed: bool = False,
     ):
 
         validate(schedule)
@@ -269,6 +273,12 @@ class Pipeline:
         )
         self._master_cut = master_cut
         self.split_backward = bool(split_backward)
+        self.hand_recomputed = bool(hand_recomputed)
+        if self.hand_recomputed and not self.split_backward:
+            raise JaxmemError(
+                f"{setting('hand_recomputed')} hands W what I recomputed when the backward is split: set "
+                f"{setting('split_backward', True)} too"
+            )
         if master_cut and not self._may_cut_master():
             raise JaxmemError(
                 "master_cut needs ZeRO (zero=True) over more than one data replica, or FSDP, and no weights or "
@@ -294,6 +304,7 @@ class Pipeline:
             vocab_parallel=self.vocab is not None,
             master_cut=self.master_cut,
             split_backward=self.split_backward,
+            hand_recomputed=self.hand_recomputed,
         )
 
     # ------------------------------------------------------------------ parameters
@@ -633,7 +644,9 @@ class Pipeline:
         abstract = self.stage_abstract()
         stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract.stages[c.local])
         input_grad = not (c.first and self.vocab is None)
-        return abstract_split(plan, stage, abstract.shared, micro, message, input_grad=input_grad)
+        return abstract_split(
+            plan, stage, abstract.shared, micro, message, input_grad=input_grad, hand_recomputed=self.hand_recomputed
+        )
 
     def grad_fn(self, batch, seq: int | None = None):
         """``fn(params, batch, rng=None) -> (loss, grads)`` for batches like ``batch`` (a batch dict or

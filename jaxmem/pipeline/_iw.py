@@ -10,6 +10,10 @@ cotangent) to ``(d_params, d_shared, d_x)``, is partitioned by its equations:
   cotangent (an activation's gradient at a matmul's output, say) is handed from I to W through the
   stash, a *transfer*; a value that depends on the stash and parameters only (a recomputed
   activation) is computed again by W, which is cheaper in memory than keeping it between I and W.
+  With ``hand_recomputed`` those are handed over too -- every value I computed from the stash, the
+  microbatch or the cotangent that W reads -- so W recomputes no forward: a forward's FLOPs less per
+  W under a policy that recomputes, for the recomputed activations' bytes kept from I to W. Values
+  of the parameters alone (a transpose, a cast) are still computed again.
 
 Before this split I and W each ran the whole pullback, XLA dropping only the outputs each discards:
 W then ran the cotangents' whole chain through the stage again (issue 28). Now the chain runs once,
@@ -161,20 +165,27 @@ def _needed(eqns, outvars, stop=lambda v: False) -> tuple[set[int], set]:
     return needed, given
 
 
-def split_backward(closed, i_outputs, w_outputs, cotangent_inputs) -> IWSplit:
+def _depending_on(eqns, sources: set) -> set:
+    """The vars that depend on any of ``sources`` (themselves included), in program order."""
+    found = set(sources)
+    for eqn in eqns:
+        if any(isinstance(u, Var) and u in found for u in eqn.invars):
+            found.update(eqn.outvars)
+    return found
+
+
+def split_backward(closed, i_outputs, w_outputs, handed_inputs) -> IWSplit:
     """Partition a backward's jaxpr (``closed``, a ClosedJaxpr) into I (the outputs at indices
-    ``i_outputs``: the input gradient) and W (``w_outputs``: the weight gradients);
-    ``cotangent_inputs``: indices of the inputs that carry the output's cotangent."""
+    ``i_outputs``: the input gradient) and W (``w_outputs``: the weight gradients). A value I computes
+    that W reads is handed over when it depends on an input at the indices ``handed_inputs`` (the
+    output's cotangent; with ``hand_recomputed``, also the stash and the microbatch), and computed
+    again by W otherwise."""
     jaxpr = closed.jaxpr
     eqns = list(jaxpr.eqns)
     i_set, _ = _needed(eqns, [jaxpr.outvars[i] for i in i_outputs])
-    # Values that depend on the cotangent: handed over from I rather than recomputed.
-    on_ct = {jaxpr.invars[i] for i in cotangent_inputs}
-    for eqn in eqns:
-        if any(isinstance(u, Var) and u in on_ct for u in eqn.invars):
-            on_ct.update(eqn.outvars)
+    handed = _depending_on(eqns, {jaxpr.invars[i] for i in handed_inputs})
     made_by_i = {v for i in i_set for v in eqns[i].outvars}
-    w_set, given = _needed(eqns, [jaxpr.outvars[i] for i in w_outputs], stop=lambda v: v in made_by_i and v in on_ct)
+    w_set, given = _needed(eqns, [jaxpr.outvars[i] for i in w_outputs], stop=lambda v: v in made_by_i and v in handed)
     position = {v: (i, k) for i, eqn in enumerate(eqns) for k, v in enumerate(eqn.outvars)}
     transfers = tuple(sorted(given, key=lambda v: position[v]))
     return IWSplit(
@@ -229,28 +240,35 @@ class StageSplit:
         return jax.tree.unflatten(self.out_trees[0], values[:n]), jax.tree.unflatten(self.out_trees[1], values[n:])
 
 
-def stage_split(backward, params, shared, micro, stash, ct, *, input_grad: bool = True) -> StageSplit:
+def stage_split(
+    backward, params, shared, micro, stash, ct, *, input_grad: bool = True, hand_recomputed: bool = False
+) -> StageSplit:
     """Split ``backward(params, shared, micro, stash, ct) -> (d_params, d_shared, d_x)`` (a stage's
     pullback from its stash slot, :meth:`~jaxmem.pipeline.ResidualPlan.pullback`), traced at the
     given values or abstract values. ``input_grad=False``: nothing needs the stage's input gradient
-    (the first stage with its embedding whole): I is empty and W is the whole backward."""
+    (the first stage with its embedding whole): I is empty and W is the whole backward.
+    ``hand_recomputed``: I hands W the forward values it recomputed too (the module docstring)."""
     args = (params, shared, micro, stash, ct)
     nested, shapes = jax.make_jaxpr(backward, return_shape=True)(*args)
     closed = jax.make_jaxpr(lambda *flat: _eval_inlined(nested.jaxpr, nested.consts, flat))(*jax.tree.leaves(args))
     trees = tuple(jax.tree.structure(part) for part in shapes)
     n_params, n_shared, n_x = (t.num_leaves for t in trees)
     n_in = len(jax.tree.leaves(args))
-    n_ct = len(jax.tree.leaves(ct))
+    # The inputs are (params, shared, micro, stash, ct): the cotangent's last, the activations' after
+    # the parameters.
+    first_handed = len(jax.tree.leaves((params, shared))) if hand_recomputed else n_in - len(jax.tree.leaves(ct))
     split = split_backward(
         closed,
         i_outputs=range(n_params + n_shared, n_params + n_shared + n_x) if input_grad else (),
         w_outputs=range(n_params + n_shared),
-        cotangent_inputs=range(n_in - n_ct, n_in),
+        handed_inputs=range(first_handed, n_in),
     )
     return StageSplit(split, trees)
 
 
-def abstract_split(plan, params, shared, micro, message, *, input_grad: bool = True) -> StageSplit:
+def abstract_split(
+    plan, params, shared, micro, message, *, input_grad: bool = True, hand_recomputed: bool = False
+) -> StageSplit:
     """A stage's backward split into I and W, traced abstractly (what the executor's split traces,
     so the same transfers): ``plan`` the stage's :class:`~jaxmem.pipeline.ResidualPlan`,
     ``params``/``shared``/``micro``/``message`` its parameters, shared parameters, microbatch and
@@ -264,4 +282,6 @@ def abstract_split(plan, params, shared, micro, message, *, input_grad: bool = T
         x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), message)
         return plan.pullback(params, shared, x_like, micro, current)(ct)
 
-    return stage_split(backward, params, shared, micro, current, ct, input_grad=input_grad)
+    return stage_split(
+        backward, params, shared, micro, current, ct, input_grad=input_grad, hand_recomputed=hand_recomputed
+    )

@@ -281,6 +281,7 @@ class AdaptiveProfiler:
             drop_layers=drop_layers,
             hardware=self.hardware,
             split_backward=base.split_backward,
+            hand_recomputed=base.hand_recomputed,
         )
         seconds = result.step_seconds
         return result.device_bytes, seconds * self._factor(policy), seconds

@@ -58,6 +58,7 @@ class Candidate:
     fsdp: int = dataclasses.field(default=1, kw_only=True)
     tensor: int = dataclasses.field(default=1, kw_only=True)
     split_backward: bool = dataclasses.field(default=False, kw_only=True)
+    hand_recomputed: bool = dataclasses.field(default=False, kw_only=True)
     policy: object = dataclasses.field(repr=False, compare=False)
     device_bytes: float = 0.0
     host_bytes: float = 0.0
@@ -76,6 +77,7 @@ class Candidate:
             "tensor": self.tensor,
             "microbatches": self.microbatches,
             "split_backward": self.split_backward,
+            "hand_recomputed": self.hand_recomputed,
             "policy": self.policy_name,
             "device_bytes": int(self.device_bytes),
             "host_bytes": int(self.host_bytes),
@@ -119,6 +121,7 @@ class SearchResult:
                 + (f" F={c.fsdp}" if c.fsdp > 1 else "")
                 + (f" T={c.tensor}" if c.tensor > 1 else "")
                 + (" split backward" if c.split_backward else "")
+                + (", recomputed handed to W" if c.hand_recomputed else "")
             )
 
         lines = []
@@ -233,13 +236,15 @@ def evaluate(
     zero: bool = True,
     vocab_parallel: bool | None = None,
     split_backward: bool = False,
+    hand_recomputed: bool = False,
 ) -> Candidate:
     """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``policy_name``: a
     ``chronos-*`` name, generated for the budget first (Chronos-Recomp/Offload), or any spec
     :func:`~jaxmem.policy.from_spec` takes. ``fsdp``, ``tensor``, ``zero``,
     ``vocab_parallel``, ``split_backward``: how the state and the math are cut and the backward
     split (:class:`~jaxmem.pipeline.Pipeline`; the candidate's ``split_backward`` says whether the
-    split takes effect, :func:`~jaxmem.pipeline.splits_backward`)."""
+    split takes effect, :func:`~jaxmem.pipeline.splits_backward`); ``hand_recomputed``: with the
+    split, I hands W what it recomputed too (:class:`~jaxmem.pipeline.Pipeline`)."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
     from jaxmem.pipeline import model_layer_counts, splits_backward
@@ -251,6 +256,7 @@ def evaluate(
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     mb = batch // (data * fsdp * schedule.num_microbatches)
     split_backward = splits_backward(schedule, split_backward, tensor)
+    hand_recomputed = split_backward and bool(hand_recomputed)
 
     layout = dict(
         batch=batch,
@@ -263,6 +269,7 @@ def evaluate(
         layer_counts=counts,
         facts=facts,
         split_backward=split_backward,
+        hand_recomputed=hand_recomputed,
     )
 
     def run(policy):
@@ -355,6 +362,7 @@ def evaluate(
         fsdp=fsdp,
         tensor=tensor,
         split_backward=split_backward,
+        hand_recomputed=hand_recomputed,
         microbatches=schedule.num_microbatches,
         policy_name=policy_name,
         policy=policy,
@@ -458,6 +466,7 @@ def search(
     vocab_parallel: bool | None = None,
     margin: float = 0.0,
     split_backward: bool | None = None,
+    hand_recomputed: bool | None = None,
 ) -> SearchResult:
     """Search pipeline sizes x tensor splits x data/fsdp splits x schedules x microbatches x
     policies, and the FSDP-only layout; the fastest simulated candidate that fits wins. ``fsdp=False``
@@ -466,7 +475,10 @@ def search(
     product the devices); ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`;
     ``split_backward``: on schedules with I and W (no tensor axis), whether I hands W its cotangents
     (faster, W does half a backward instead of a whole one; the cotangents take memory from I to W);
-    None tries both. ``margin``: a candidate fits when its prediction fits
+    None tries both. ``hand_recomputed``: with the split, whether I also hands W what it recomputed
+    (W recomputes no forward; those activations take memory from I to W); None tries both for the
+    presets that recompute (selective, recompute-all), and none for the generated ``chronos-*``
+    policies (each generation is a search of its own). ``margin``: a candidate fits when its prediction fits
     ``budget_bytes / (1 + margin)`` (e.g. :data:`LEDGER_MARGIN` where the pick cannot be compiled and
     checked, see :func:`confirm`)."""
     from jaxmem.memory import get_hardware
@@ -499,7 +511,8 @@ def search(
             names += [f"{n}{KEEP_GATHERED}" for n in policies if n in PRESETS]
         splits = [split_backward] if split_backward is not None else [False, True]
         splits = [s for s in splits if not s or splits_backward(schedule, s, tensor)] or [False]
-        for name, split in ((n, s) for n in names for s in splits):
+        variants = [(n, s, h) for n in names for s in splits for h in _handoffs(n, s, hand_recomputed)]
+        for name, split, hand in variants:
             cand = evaluate(
                 model,
                 schedule,
@@ -514,6 +527,7 @@ def search(
                 vocab_parallel=vocab_parallel,
                 hardware=hw,
                 split_backward=split,
+                hand_recomputed=hand,
             )
             if hw.cores and cand.host_bytes:  # on a CPU the host memory is the device's: offloads save none of it
                 continue
@@ -534,6 +548,21 @@ def search(
         devices=devices,
         margin=margin,
     )
+
+
+def _handoffs(policy_name, split: bool, hand_recomputed: bool | None) -> list[bool]:
+    """The ``hand_recomputed`` values :func:`search` tries for a policy and split (its docstring)."""
+    from jaxmem.policy import KEEP_GATHERED
+
+    if not split:
+        return [False]
+    if hand_recomputed is not None:
+        return [hand_recomputed]
+    recomputes = isinstance(policy_name, str) and policy_name.removesuffix(KEEP_GATHERED) in (
+        "selective",
+        "recompute-all",
+    )
+    return [False, True] if recomputes else [False]
 
 
 def confirm(

@@ -104,6 +104,7 @@ def planned_config(config: TrainConfig, best, devices: int) -> TrainConfig:
         virtual=best.virtual if best.schedule == "interleaved-1f1b" else None,
         policy=best.policy,
         split_backward=best.split_backward,
+        hand_recomputed=best.hand_recomputed,
         devices=devices,
         budget=config.budget if config.run_dir else None,  # past planning, only metrics show it
         margin=None,

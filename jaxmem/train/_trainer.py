@@ -138,6 +138,7 @@ class Trainer:
             zero=config.zero,
             vocab_parallel=config.vocab_parallel,
             split_backward=config.split_backward,
+            hand_recomputed=config.hand_recomputed,
         )
         self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
         self._check_samples()
