@@ -193,8 +193,7 @@ def test_w_without_the_split_runs_a_whole_backward_and_the_planner_weighs_the_sp
 def test_w_given_what_i_recomputed_recomputes_nothing_and_the_planner_weighs_it():
     """With ``hand_recomputed`` I hands W the forward values it recomputed: W is charged no
     recompute (a split W otherwise re-runs what its products read), and the ledger holds those
-    values from I to W. The planner tries it for the presets that recompute and takes it only where
-    it fits."""
+    values from I to W. The planner tries it under recompute-all and takes it only where it fits."""
     from jaxmem.cli.plan import train_command
     from jaxmem.config import TrainConfig
     from jaxmem.schedule import Action, Kind
@@ -226,8 +225,9 @@ def test_w_given_what_i_recomputed_recomputes_nothing_and_the_planner_weighs_it(
     assert roomy.best.hand_recomputed and roomy.best.step_seconds == pytest.approx(hand.step_seconds)
     tight = search(model, budget_bytes=(split.device_bytes + hand.device_bytes) / 2, policies=("recompute-all",), **kw)
     assert not tight.best.hand_recomputed
-    # save-all is not tried with it: it would hand nothing more.
-    assert not any(c.hand_recomputed for c in search(model, budget_bytes=1e12, policies=("save-all",), **kw).candidates)
+    # Nor is it tried where W re-runs no forward (selective: elementwise values; save-all: none).
+    others = search(model, budget_bytes=1e12, policies=("save-all", "selective"), **kw).candidates
+    assert others and not any(c.hand_recomputed for c in others)
     config = planned_config(TrainConfig(model="tiny", batch_size=BATCH, seq_len=SEQ), roomy.best, 4)
     assert config.split_backward and config.hand_recomputed
     args = type("Args", (), {"model": "tiny", "budget": "1GiB", "hardware": "h100"})()

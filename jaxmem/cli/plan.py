@@ -26,9 +26,9 @@ Searches meshes of the devices (pipeline sizes, a tensor split of each pipe rank
 4 or 8 for models that annotate one, and the rest split between whole-parameter data replicas and
 FSDP shards; an FSDP-only layout without a pipeline is one candidate; --mesh fixes one), schedules (gpipe,
 1f1b, interleaved-1f1b, zb-h1, zbv, chronos; the last three with and without --split-backward, which
-makes W half a backward for the memory of the cotangents I hands it, and under selective and
-recompute-all also with --hand-recomputed, which spares W its recompute for the memory of the
-activations I recomputed), microbatch counts and policies
+makes W half a backward for the memory of the cotangents I hands it, and under recompute-all
+also with --hand-recomputed, which spares W its forward for the memory of the activations I
+recomputed), microbatch counts and policies
 (save-all, selective, recompute-all, Chronos-Recomp, Chronos-Offload and both), scores each with the predicted memory
 ledger and the schedule simulator on a hardware profile (h100, tpu-v5p, or cpu = measured on this
 machine), and returns the fastest that fits. The optimizer state is sharded over the replicas (ZeRO)

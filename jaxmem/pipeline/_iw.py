@@ -272,7 +272,7 @@ def abstract_split(
     """A stage's backward split into I and W, traced abstractly (what the executor's split traces,
     so the same transfers): ``plan`` the stage's :class:`~jaxmem.pipeline.ResidualPlan`,
     ``params``/``shared``/``micro``/``message`` its parameters, shared parameters, microbatch and
-    input as abstract values."""
+    input as abstract values; ``input_grad`` and ``hand_recomputed`` as in :func:`stage_split`."""
     import jax.numpy as jnp
 
     current = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items() if n}

@@ -476,9 +476,11 @@ def search(
     ``split_backward``: on schedules with I and W (no tensor axis), whether I hands W its cotangents
     (faster, W does half a backward instead of a whole one; the cotangents take memory from I to W);
     None tries both. ``hand_recomputed``: with the split, whether I also hands W what it recomputed
-    (W recomputes no forward; those activations take memory from I to W); None tries both for the
-    presets that recompute (selective, recompute-all), and none for the generated ``chronos-*``
-    policies (each generation is a search of its own). ``margin``: a candidate fits when its prediction fits
+    (W recomputes no forward; those activations take memory from I to W); None tries both under
+    recompute-all, where a split W re-runs a whole forward (each try compiles the split's working
+    set again). Not under selective, whose W re-runs only elementwise values (0-7% of a step
+    measured on CPU, within the spread), nor for the generated ``chronos-*`` policies (each generation is a
+    search of its own). ``margin``: a candidate fits when its prediction fits
     ``budget_bytes / (1 + margin)`` (e.g. :data:`LEDGER_MARGIN` where the pick cannot be compiled and
     checked, see :func:`confirm`)."""
     from jaxmem.memory import get_hardware
@@ -558,11 +560,8 @@ def _handoffs(policy_name, split: bool, hand_recomputed: bool | None) -> list[bo
         return [False]
     if hand_recomputed is not None:
         return [hand_recomputed]
-    recomputes = isinstance(policy_name, str) and policy_name.removesuffix(KEEP_GATHERED) in (
-        "selective",
-        "recompute-all",
-    )
-    return [False, True] if recomputes else [False]
+    recomputes_forward = isinstance(policy_name, str) and policy_name.removesuffix(KEEP_GATHERED) == "recompute-all"
+    return [False, True] if recomputes_forward else [False]
 
 
 def confirm(
