@@ -28,6 +28,7 @@ CASES = [
     (["train", "--devices", "0"], "--devices must be an integer >= 1, got 0"),
     (["train", "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["train", "--csv", "s.csv", "--schedule", "zbv"], "drop --schedule (or --csv)"),
+    (["train", "--schedule", "zbv", "--hand-recomputed"], "when the backward is split: set --split-backward too"),
     (["train", "--plan", "auto", "--budget", "1GiB", "--schedule", "zbv"], "--plan auto chooses --schedule"),
     (["train", "--plan", "auto", "--budget", "1GiB", "--pipe", "2"], "--plan auto chooses --pipe"),
     (["train", "--budget", "1GiB"], "drop --budget"),
