@@ -187,3 +187,16 @@ def test_the_thunk_time_table_matches_its_record():
         said = f"| {names[r['variant']]} | {r['wall_ms']:.0f} ms | {r['cpu_ms']:.0f} ms | {thunks} | "
         said += f"{r['thread_time_share']['collectives']:.0%} |"
         assert said in README, said
+
+
+def test_the_suites_compile_flags_match_their_record():
+    record = _record("compile_flags.json")
+    default, fast = record["summary"]["default"], record["summary"]["O0, no fusion emitters"]
+    assert record["summary"]["O0"]["equal_to_default"] == default["stage_backwards"]  # "the same at -O0 alone"
+    said = (
+        f"compiles the planner's {fast['stage_backwards']} Llama stage backwards in "
+        f"{fast['stage_compile_seconds']:.1f} s instead of {default['stage_compile_seconds']:.0f} s at XLA's defaults"
+    )
+    assert said in README, said
+    said = f"{fast['within_0.1%']} are within 0.1% and the largest {fast['largest_ratio'] - 1:.0%} larger"
+    assert said in README, said
