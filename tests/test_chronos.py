@@ -311,6 +311,23 @@ def test_infeasible_budget_names_the_smallest_that_fits(capsys):
     assert code == 1 and record["fits"] is False
     assert record["smallest_budget_bytes"] > 2**20
     assert "nothing fits 1.00 MiB per device" in record["explanation"][0]
+    # Without --json, to a log rather than a terminal: plain progress lines, the first and the last.
+    assert main(["plan", "--model", "tiny", "--devices", "4", "--budget", "1MiB", "--pipe", "4"]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("planning: ")]
+    n = int(lines[0].split("/")[1].split()[0])
+    assert lines[0].startswith("planning: 1/") and lines[-1].startswith(f"planning: {n}/{n} ") and len(lines) <= 11
+
+
+def test_search_progress_says_the_first_schedule_and_each_tenth():
+    from jaxmem.search import progress_lines
+
+    said = []
+    report = progress_lines(said.append)
+    schedule = generate("1f1b", 2, 4)
+    for i in range(96):
+        report(i, 96, schedule)
+    assert [int(line.split()[1].split("/")[0]) for line in said] == [1, 10, 20, 29, 39, 48, 58, 68, 77, 87, 96]
+    assert said[0] == "planning: 1/96 schedules (1f1b, M=4)"
 
 
 def test_train_plan_auto_infeasible_is_a_clear_error(capsys, monkeypatch):
@@ -327,6 +344,7 @@ def test_train_plan_auto_infeasible_is_a_clear_error(capsys, monkeypatch):
     assert (out + err).count("nothing fits") == 1  # said once, not also by the search's explanation
     # The budget it suggests is enough: rounded up, not to the nearest.
     suggested = float(re.search(r"give --budget ([0-9.]+)MiB", err).group(1)) * 2**20
+    assert "planning: 1/" in err  # the search says how far it is while it runs
     [result] = results
     assert result.best is None and 2**21 < result.smallest_budget <= suggested
 

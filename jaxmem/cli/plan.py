@@ -107,7 +107,7 @@ def make_plan(
     from jaxmem._errors import JaxmemError
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
-    from jaxmem.search import LEDGER_MARGIN, confirm, search
+    from jaxmem.search import LEDGER_MARGIN, confirm, progress_lines, search
 
     if mesh is not None:
         product = mesh["data"] * mesh["fsdp"] * mesh["pipe"] * mesh["tensor"]
@@ -131,16 +131,20 @@ def make_plan(
     if batch < 1 or seq < 1:
         raise JaxmemError(f"--batch-size and --seq-len must be >= 1, got {batch} and {seq}")
     model.check_batch(seq, "--seq-len")
-    progress = progress and sys.stderr.isatty()
+    # On a terminal one line rewritten in place; elsewhere (a log file, a pipe) a plain line a tenth.
+    terminal = progress and sys.stderr.isatty()
 
     def report(i, n, schedule):
-        if progress:
+        if terminal:
             print(
                 f"\rplanning: {i + 1}/{n} schedules ({schedule.name}, M={schedule.num_microbatches})",
                 end="",
                 file=sys.stderr,
                 flush=True,
             )
+
+    if progress and not terminal:
+        report = progress_lines(lambda line: print(line, file=sys.stderr, flush=True))
 
     here = hw.name == "cpu" and devices <= jax.device_count()
     result = search(
@@ -155,7 +159,7 @@ def make_plan(
         progress=report,
         margin=(0.0 if here else LEDGER_MARGIN) if margin is None else margin,
     )
-    if progress:
+    if terminal:
         print(file=sys.stderr)
     if here:
         result = confirm(

@@ -12,5 +12,6 @@ from jaxmem.search._search import candidate_schedules as candidate_schedules
 from jaxmem.search._search import chronos_moves as chronos_moves
 from jaxmem.search._search import confirm as confirm
 from jaxmem.search._search import evaluate as evaluate
+from jaxmem.search._search import progress_lines as progress_lines
 from jaxmem.search._search import search as search
 from jaxmem.search._search import tensor_sizes as tensor_sizes

@@ -25,6 +25,7 @@ __all__ = [
     "candidate_schedules",
     "chronos_moves",
     "evaluate",
+    "progress_lines",
     "search",
     "tensor_sizes",
 ]
@@ -444,6 +445,22 @@ def candidate_schedules(
             for m in sorted({m for m in (1, 2, 4) if local % m == 0}):
                 out.append((generate("interleaved-1f1b", 1, m, model.n_layers // per_stage), 1, devices, 1))
     return out
+
+
+def progress_lines(log, *, lines: int = 10):
+    """A :func:`search` ``progress`` callback that says how far the search is through ``log``, a
+    plain line at the start and then about ``lines`` times in all (for a log that is not a
+    terminal's line rewritten in place)::
+
+        planning: 1/96 schedules (gpipe, M=4)
+        planning: 10/96 schedules (1f1b, M=8)
+    """
+
+    def report(i: int, n: int, schedule) -> None:
+        if i == 0 or (i + 1) * lines // n > i * lines // n:  # the first, then each tenth (default) begun
+            log(f"planning: {i + 1}/{n} schedules ({schedule.name}, M={schedule.num_microbatches})")
+
+    return report
 
 
 def search(

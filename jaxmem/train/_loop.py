@@ -15,7 +15,7 @@ from jaxmem._util import compiled_bytes, human_bytes, tree_bytes
 from jaxmem.config import TrainConfig
 from jaxmem.memory import get_hardware
 from jaxmem.policy import from_spec
-from jaxmem.search import LEDGER_MARGIN, SearchError, confirm, search
+from jaxmem.search import LEDGER_MARGIN, SearchError, confirm, progress_lines, search
 from jaxmem.train._adaptive import train_adaptive
 from jaxmem.train._console import StopRequests, console_log
 from jaxmem.train._hooks import Hook, StepInfo, default_hooks
@@ -65,6 +65,7 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
         zero=config.zero,
         vocab_parallel=config.vocab_parallel,
         margin=margin,
+        progress=progress_lines(log),
     )
     if result.best is None:  # said once, as the error (the search's own explanation says the same)
         need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit
