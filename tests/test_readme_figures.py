@@ -200,3 +200,28 @@ def test_the_suites_compile_flags_match_their_record():
     assert said in README, said
     said = f"{fast['within_0.1%']} are within 0.1% and the largest {fast['largest_ratio'] - 1:.0%} larger"
     assert said in README, said
+
+
+def test_the_heap_kept_grid_matches_its_record():
+    heap, default = _record("overhead_heap.json"), _record("overhead.json")
+    ratio = {
+        name: {(r["schedule"], r["microbatches"], r["policy"]): r["over_plain"] for r in record["grid"]}
+        for name, record in (
+            (
+                "heap",
+                heap,
+            ),
+            ("default", default),
+        )
+    }
+    assert "MALLOC_MMAP_THRESHOLD_" in heap["command"] and set(ratio["heap"]) == set(ratio["default"])
+    assert all(ratio["heap"][k] > ratio["default"][k] for k in ratio["heap"])  # "every ratio is higher"
+    for key, label in (
+        (("1f1b", 8, "save-all"), "1F1B M=8 save-all"),
+        (("zbv", 32, "recompute-all"), "ZBV M=32 recompute-all"),
+    ):
+        said = f"{label} {ratio['default'][key]:.2f}x -> {ratio['heap'][key]:.2f}x"
+        assert said in README, said
+    within = [sum(r["over_ideal"] <= 1.15 for r in record["grid"]) for record in (heap, default)]
+    assert f"and {within[0]} of the 24 variants are within 1.15x of their ideal, against {within[1]} there" in README
+    assert f"plain step {heap['plain_data_parallel_4_step_seconds']:.3f} s)" in README
