@@ -206,13 +206,7 @@ def test_the_heap_kept_grid_matches_its_record():
     heap, default = _record("overhead_heap.json"), _record("overhead.json")
     ratio = {
         name: {(r["schedule"], r["microbatches"], r["policy"]): r["over_plain"] for r in record["grid"]}
-        for name, record in (
-            (
-                "heap",
-                heap,
-            ),
-            ("default", default),
-        )
+        for name, record in (("heap", heap), ("default", default))
     }
     assert "MALLOC_MMAP_THRESHOLD_" in heap["command"] and set(ratio["heap"]) == set(ratio["default"])
     assert all(ratio["heap"][k] > ratio["default"][k] for k in ratio["heap"])  # "every ratio is higher"
