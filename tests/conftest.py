@@ -7,13 +7,19 @@ import fcntl
 import os
 import tempfile
 
+
+def _default_flag(flag: str) -> None:
+    """Add ``--name=value`` to XLA_FLAGS unless the environment already sets ``--name``."""
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
 # LLVM at -O0: XLA:CPU's backend compile of the suite's programs takes about half as long (the tiny
 # GPT's train step: 12.7 s -> 5.7 s), while what the tests check -- results, gradients, the compiled
 # memory_analysis() (equal at either level) -- does not depend on it. Programs run slower: the test
 # that times programs against each other runs them in a subprocess at XLA's default level, as do the
 # benchmarks.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+_default_flag("--xla_backend_optimization_level=0")
 # XLA:CPU's older fusion code generator: most of a compile here is the newer MLIR fusion emitters'
 # (perf: FusionCompiler::Compile). Without them the suite runs in 16:30 instead of 27:01, and
 # `python benchmarks/compile_flags.py` (record results/compile_flags.json) compiles the planner's 36
@@ -22,8 +28,7 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # 64 bytes more of 12.7 MB; of the stage backwards 12 equal, 32 within 0.1%, the largest 15% more.
 # So the tests compare the ledger with programs compiled under the same flags, never with figures
 # compiled elsewhere.
-if "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
+_default_flag("--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

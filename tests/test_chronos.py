@@ -328,6 +328,11 @@ def test_search_progress_says_the_first_schedule_and_each_tenth():
         report(i, 96, schedule)
     assert [int(line.split()[1].split("/")[0]) for line in said] == [1, 10, 20, 29, 39, 48, 58, 68, 77, 87, 96]
     assert said[0] == "planning: 1/96 schedules (1f1b, M=4)"
+    every = []  # a terminal's line, rewritten at every schedule
+    report = progress_lines(every.append, lines=None)
+    for i in range(96):
+        report(i, 96, schedule)
+    assert len(every) == 96 and every[-1] == "planning: 96/96 schedules (1f1b, M=4)"
 
 
 def test_train_plan_auto_infeasible_is_a_clear_error(capsys, monkeypatch):

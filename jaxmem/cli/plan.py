@@ -133,17 +133,10 @@ def make_plan(
     model.check_batch(seq, "--seq-len")
     # On a terminal one line rewritten in place; elsewhere (a log file, a pipe) a plain line a tenth.
     terminal = progress and sys.stderr.isatty()
-
-    def report(i, n, schedule):
-        if terminal:
-            print(
-                f"\rplanning: {i + 1}/{n} schedules ({schedule.name}, M={schedule.num_microbatches})",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    if progress and not terminal:
+    report = None
+    if terminal:
+        report = progress_lines(lambda line: print(f"\r{line}", end="", file=sys.stderr, flush=True), lines=None)
+    elif progress:
         report = progress_lines(lambda line: print(line, file=sys.stderr, flush=True))
 
     here = hw.name == "cpu" and devices <= jax.device_count()

@@ -447,17 +447,18 @@ def candidate_schedules(
     return out
 
 
-def progress_lines(log, *, lines: int = 10):
+def progress_lines(log, *, lines: int | None = 10):
     """A :func:`search` ``progress`` callback that says how far the search is through ``log``, a
-    plain line at the start and then about ``lines`` times in all (for a log that is not a
-    terminal's line rewritten in place)::
+    line at the start and then about ``lines`` times in all (a log that is not a terminal), or at
+    every schedule with ``lines=None`` (a terminal's line rewritten in place)::
 
         planning: 1/96 schedules (gpipe, M=4)
         planning: 10/96 schedules (1f1b, M=8)
     """
 
     def report(i: int, n: int, schedule) -> None:
-        if i == 0 or (i + 1) * lines // n > i * lines // n:  # the first, then each tenth (default) begun
+        # The first, then each tenth (by default) begun.
+        if lines is None or i == 0 or (i + 1) * lines // n > i * lines // n:
             log(f"planning: {i + 1}/{n} schedules ({schedule.name}, M={schedule.num_microbatches})")
 
     return report
