@@ -156,6 +156,7 @@ def test_w_without_the_split_runs_a_whole_backward_and_the_planner_weighs_the_sp
     both and takes the split only where its memory fits."""
     from jaxmem.cli.plan import train_command
     from jaxmem.config import TrainConfig
+    from jaxmem.policy import PRESETS
     from jaxmem.schedule import Action, Kind
     from jaxmem.search import search
     from jaxmem.train import planned_config
@@ -174,9 +175,21 @@ def test_w_without_the_split_runs_a_whole_backward_and_the_planner_weighs_the_sp
             backward, rel=1e-12
         )
     assert split.step_seconds < plain.step_seconds and split.device_bytes > plain.device_bytes
-    # Under a tensor axis the executor cannot split: neither can the estimate.
+    # Under a tensor axis the split holds too, its transfers cut over it as the stash is. A W without
+    # it runs the pullback's sums and stash gather again; a split W gathers instead the whole part of
+    # what its I handed it.
     cut = [estimate(model, schedule, "save-all", split_backward=s, tensor=2, **run) for s in (False, True)]
-    assert cut[0].step_seconds == cut[1].step_seconds and cut[0].device_bytes == cut[1].device_bytes
+    assert cut[1].device_bytes > cut[0].device_bytes
+    facts, policy = model_facts(model), PRESETS["save-all"].bind(model.tags)
+    part = facts.tensor_cut(policy, SEQ, 2).transfers
+    assert 0 < part < 1
+    layers = model.n_layers // schedule.num_stages
+    handed = facts.transfer_elems(first=False, last=False, layers=layers, policy=policy, microbatch=BATCH // 8, seq=SEQ)
+    gather = HARDWARE["h100"].collective_seconds("all_gather", 4 * sum(handed.values()) * (1 - part), 2)
+    i, w = Action(3, Kind.I, 0), Action(3, Kind.W, 0)
+    both = cut[1].costs.duration(i, schedule) + cut[1].costs.duration(w, schedule)
+    assert cut[0].costs.duration(w, schedule) == pytest.approx(both - gather, rel=1e-9)
+    assert gather > 0 and cut[0].costs.duration(i, schedule) == cut[1].costs.duration(i, schedule)
 
     kw = dict(devices=4, batch=BATCH, seq=SEQ, schedules=("zbv",), policies=("save-all",), pipes=[4], fsdp=False)
     kw.update(microbatches=[8], hardware="h100")

@@ -18,21 +18,63 @@ from jaxmem.train import Trainer
 from jaxmem.verify import verify
 
 LAYOUTS = [
-    # (schedule, P, M, data, fsdp, tensor, model, policy)
-    ("1f1b", 2, 4, 2, 1, 2, "llama-tiny", None),  # heads and MLP cut, x data x pipe
-    ("zbv", 2, 2, 1, 2, 2, "tiny", "selective"),  # GPT's MLP cut, x fsdp, split backwards
-    ("interleaved-1f1b", 2, 4, 1, 1, 4, "llama-tiny", "recompute-all"),  # 4-way tensor
+    # (schedule, P, M, data, fsdp, tensor, model, policy, split: False / True / "hand")
+    ("1f1b", 2, 4, 2, 1, 2, "llama-tiny", None, False),  # heads and MLP cut, x data x pipe
+    ("zbv", 2, 2, 1, 2, 2, "tiny", "selective", True),  # GPT's MLP cut, x fsdp, I handing W its cotangents
+    ("interleaved-1f1b", 2, 4, 1, 1, 4, "llama-tiny", "recompute-all", False),  # 4-way tensor
+    ("zb-h1", 2, 4, 2, 1, 2, "llama-tiny", "recompute-all", "hand"),  # and what I recomputed
 ]
 
 
 @pytest.mark.parametrize(
-    "name,p,m,d,f,t,model,policy", LAYOUTS, ids=[f"{n}-P{p}-D{d}-F{f}-T{t}-{mo}" for n, p, m, d, f, t, mo, _ in LAYOUTS]
+    "name,p,m,d,f,t,model,policy,split",
+    LAYOUTS,
+    ids=[f"{n}-P{p}-D{d}-F{f}-T{t}-{mo}{'-split' if sp else ''}" for n, p, m, d, f, t, mo, _, sp in LAYOUTS],
 )
-def test_tensor_layouts_give_plain_gradients(name, p, m, d, f, t, model, policy):
+def test_tensor_layouts_give_plain_gradients(name, p, m, d, f, t, model, policy, split):
     schedule = generate(name, p, m, 2 if name == "interleaved-1f1b" else None)
-    result = verify(schedule, model=model, data_parallel=d, fsdp=f, tensor=t, policy=policy)
+    result = verify(
+        schedule,
+        model=model,
+        data_parallel=d,
+        fsdp=f,
+        tensor=t,
+        policy=policy,
+        split_backward=bool(split),
+        hand_recomputed=split == "hand",
+    )
     assert result["ok"], result
     assert result["tensor"] == t
+
+
+def test_a_split_backward_hands_over_through_arenas_cut_over_tensor():
+    """With a tensor axis, what a split backward's I hands its W sits in arenas cut over it as the
+    stash does: each device holds one row of ``[tensor, rows]``, half of what the transfers take
+    whole (before, the split was off under a tensor axis and W ran the whole pullback again). The
+    ledger predicts the stash arenas, transfers included, exactly, and the whole step within 10%."""
+    config = TrainConfig(
+        model="tiny", schedule="zbv", pipe=2, microbatches=8, batch_size=16, seq_len=64, steps=1,
+        data="synthetic", tensor=2, policy="selective", split_backward=True,
+    )  # fmt: skip
+    trainer = Trainer(config)
+    assert trainer.pipeline.splits_backward
+    tick, plans = trainer.pipeline.program(trainer.batch_spec())
+    index = tick.stash_keys.index(("float32", "i-to-w"))
+    spec = trainer.batch_spec()
+    micro, message = trainer.pipeline.microbatch_spec(spec), trainer.pipeline.message_spec(spec)
+    for c, plan in plans.items():
+        whole = trainer.pipeline.backward_split(c, plan, micro, message).transfer_elems()[("float32", "i-to-w")]
+        assert tick.class_transfer_elems[tick.classes.index(c)][("float32", "i-to-w")] == -(-whole // 2)
+    state = trainer.init_state()
+    compiled = trainer.compiled(state)
+    text = compiled.as_text()
+    assert f"f32[1,{tick.arena_elems[index]}]" in text
+    assert f"f32[{2 * tick.arena_elems[index]}]" not in text
+    predicted = predict(trainer.model, trainer.schedule, "selective", batch=16, seq=64, tensor=2, split_backward=True)
+    report = compare(predicted, trainer.measure_memory(state, compiled))
+    stash = report["ranks"][0]["categories"]["stash"]
+    assert stash["predicted_device"] == stash["program_device"]
+    assert abs(report["max_prediction_error"]) <= 0.10, report
 
 
 def test_bfloat16_with_a_tensor_axis():

@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 from jaxmem._errors import JaxmemError
 from jaxmem.schedule import Action, Costs, Kind, Schedule, SimulationResult, simulate
 
@@ -271,7 +273,8 @@ def step_costs(
     FLOPs runs on ``1/tensor`` of them; every forward (and every recomputed forward) sums the outputs
     of the matmuls that contract the cut over the tensor devices, every backward as many of the cut
     matmuls' input gradients; a backward gathers the whole part of its stashed item back from the
-    tensor devices' shares (a cut residual stays each device's share; the executor's CutArena).
+    tensor devices' shares (a cut residual stays each device's share; the executor's CutArena), and
+    a split W the whole part of what its I handed it, kept cut the same way.
     """
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
@@ -284,8 +287,8 @@ def step_costs(
     last = schedule.num_stages - 1
     save_all = PRESETS["save-all"].bind(model.tags)
 
-    def stage_facts(stage: int, policy):
-        return facts.stage(
+    def stage_shape(stage: int, policy) -> dict:
+        return dict(
             first=stage == 0,
             last=stage == last,
             layers=layer_counts[stage],
@@ -295,6 +298,9 @@ def step_costs(
             seq=seq,
             vocab=vocab,
         )
+
+    def stage_facts(stage: int, policy):
+        return facts.stage(**stage_shape(stage, policy))
 
     ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
     message = facts.message_bytes(microbatch, seq)
@@ -352,8 +358,19 @@ def step_costs(
     excess = [(f.backward_flops - 2 * f.forward_flops - f.recompute_flops) * k / rate for f, k in zip(plain, share)]
     cache: dict = {}
 
+    def handed_gather(stage: int, policy) -> float:
+        """Seconds of a split W's gather of the whole part of what its I handed it (a tensor axis)."""
+        if tensor <= 1 or not split_backward:
+            return 0.0
+        elems = facts.transfer_elems(**stage_shape(stage, policy), hand_recomputed=hand_recomputed)
+        handed = sum(n * np.dtype(key[0]).itemsize for key, n in elems.items())
+        return hardware.collective_seconds(
+            "all_gather", handed * (1 - facts.tensor_cut(policy, seq, tensor).transfers), tensor
+        )
+
     def cell(stage: int, mb: int):
-        """(recompute seconds, stash device / host bytes, forward comm, backward comm) of one cell."""
+        """(recompute seconds, stash device / host bytes, forward comm, backward comm, a split W's
+        comm) of one cell."""
         sp = resolved.stage_policy(stage, mb)
         key = (stage, sp)
         if key not in cache:
@@ -361,14 +378,21 @@ def step_costs(
             k, sums, gather = tensor_terms(stage, sp)
             redo = f.recompute_flops / f.forward_flops if f.forward_flops else 0.0
             back = (1 + redo) * sums + gather
-            cache[key] = (f.recompute_flops * k / rate, f.stash_bytes("device"), f.stash_bytes("host"), sums, back)
+            cache[key] = (
+                f.recompute_flops * k / rate,
+                f.stash_bytes("device"),
+                f.stash_bytes("host"),
+                sums,
+                back,
+                handed_gather(stage, sp),
+            )
         return cache[key]
 
     # On shared CPU cores, stashing costs time beyond FLOPs (the Lockstep constants; none on accelerators).
     per_byte = hardware.lockstep.stash_flops_per_byte / rate if hardware.cores else 0.0
 
     def extra(action: Action) -> float:
-        recompute, device, host, forward_comm, backward_comm = cell(action.stage, action.microbatch)
+        recompute, device, host, forward_comm, backward_comm, handed_comm = cell(action.stage, action.microbatch)
         traffic = per_byte * (device + host) / 2
         comm = gathers[(action.stage, action.kind.value)]
         if action.kind is Kind.F:
@@ -379,10 +403,10 @@ def step_costs(
         if action.kind is Kind.I:
             return recompute + (excess[action.stage] + traffic) / 2 + comm + backward_comm
         if split_backward:
-            return (0.0 if hand_recomputed else recompute) + (excess[action.stage] + traffic) / 2 + comm
-        # The whole pullback again: the cotangents' chain (I's products, a forward's FLOPs) beside the
-        # weight products the simulator charges W.
-        return forward_seconds[action.stage] + recompute + excess[action.stage] + traffic / 2 + comm
+            return (0.0 if hand_recomputed else recompute) + (excess[action.stage] + traffic) / 2 + comm + handed_comm
+        # The whole pullback again: the cotangents' chain (I's products, a forward's FLOPs, and with a
+        # tensor axis its sums and its stash's gather) beside the weight products the simulator charges W.
+        return forward_seconds[action.stage] + recompute + excess[action.stage] + traffic / 2 + comm + backward_comm
 
     any_host = any(
         resolved.stage_policy(s, m).offload or resolved.stage_policy(s, m).offload_stash
@@ -619,7 +643,7 @@ def estimate(
 
     ``memory=False`` skips the ledger (time only): for schedules one SPMD program cannot run, such as
     a rerouted pipeline where one rank holds an extra stage. ``split_backward``: the pipeline's; where
-    it takes effect (a schedule with I and W, no tensor axis: :func:`splits_backward`) the ledger
+    it takes effect (a schedule with I and W: :func:`splits_backward`) the ledger
     holds the I->W cotangents and W costs half a backward, otherwise W runs the whole pullback again
     (:func:`step_costs`). ``hand_recomputed`` (with the split): I hands W the forward values it
     recomputed too; the ledger holds them from I to W, and W recomputes nothing.
@@ -688,7 +712,7 @@ def estimate(
         tensor=tensor,
         master_cut=cut,
         families=facts.stage_families(counts, drop_layers) if facts.families is not None else None,
-        split_backward=splits_backward(schedule, split_backward, tensor),
+        split_backward=splits_backward(schedule, split_backward),
         hand_recomputed=hand_recomputed,
     )
     simulation = simulate(schedule, costs)

@@ -87,12 +87,15 @@ class TensorFacts:
         flops: fraction of its matmul FLOPs that is cut (each tensor device does 1/tensor of them).
         reduced_bytes: bytes its forward sums over the tensor devices (all-reduces of the matmuls
             that contract over the cut; the backward sums as many, of the cut matmuls' inputs).
+        transfers: fraction of what a split backward's I hands its W under the policy that is cut
+            (each device keeps its share; W gathers the rest, :mod:`jaxmem.pipeline._iw`).
     """
 
     full: float = 0.0
     stash: float = 0.0
     flops: float = 0.0
     reduced_bytes: float = 0.0
+    transfers: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,25 +597,43 @@ class ModelFacts:
                     stash=own.cut_bytes / own.values_bytes if own.values_bytes else 0.0,
                     flops=full.cut_flops / full.dot_flops if full.dot_flops else 0.0,
                     reduced_bytes=full.reduced_bytes,
+                    transfers=self._transfer_cut(policy, seq, tensor),
                 )
         return self._cache[key]
 
-    def _cut(self, policy, seq: int, tensor: int):
+    def _layer_dims(self, stage, tensor: int) -> list:
+        """The cut dimension of each leaf of one layer's parameters (``stage``) over ``tensor``."""
         import jax
 
-        from jaxmem.pipeline import analyze_cut
-
-        plan, stage, _ = self._traced_plan(False, False, (0,), policy, seq)
         stage = stage if self.families is None else stage[0]  # a layer of layer 0's family
         layer_axes = self.model.split(self.model.axes)[0][0]
-        dims = [
+        return [
             _tensor_dim(a.shape, ax, 1, tensor)
             for a, ax in zip(jax.tree.leaves(stage), jax.tree.leaves(layer_axes), strict=True)
         ]
+
+    def _cut(self, policy, seq: int, tensor: int):
+        from jaxmem.pipeline import analyze_cut
+
+        plan, stage, _ = self._traced_plan(False, False, (0,), policy, seq)
+        dims = self._layer_dims(stage, tensor)
         dims += [None] * (len(plan.closed.jaxpr.invars) - len(dims))
         outs = plan.closed.jaxpr.outvars[len(plan.out_avals) :]
         stashed = [v for v, src in zip(outs, plan.sources) if src[0] == "stash"]
         return analyze_cut(plan.closed, dims, stashed)[1]
+
+    def _transfer_cut(self, policy, seq: int, tensor: int) -> float:
+        """The cut fraction of a one-layer middle stage's I->W transfers (the split the executor
+        traces; its stash taken whole, so a value computed from a cut residual alone counts whole)."""
+        from jaxmem.pipeline import abstract_split
+
+        plan, stage, x = self._traced_plan(False, False, (0,), policy, seq)
+        split = abstract_split(plan, stage, self._stage_shared(False), self.batch(1, seq), x)
+        dims = self._layer_dims(stage, tensor)
+        dims += [None] * (len(split.split.closed.jaxpr.invars) - len(dims))
+        arena = split.transfer_arena(dims, tensor)
+        whole = sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in split.transfer_leaves())
+        return arena.cut_bytes() / whole if whole else 0.0
 
     def _traced(self, first, last, fams, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.policy import PRESETS

@@ -191,8 +191,8 @@ def predict(
     optimizer = split([k * b for b in static.stage_state], k * static.shared_state, opt_host)
 
     # Stash: per class, one microbatch's residuals per buffer; buffers and slots as the executor's.
-    # Split backwards (zero-bubble schedules, no tensor axis) also keep what each I hands its W.
-    splits = splits_backward(schedule, split_backward, tensor)
+    # Split backwards (zero-bubble schedules) also keep what each I hands its W (cut over tensor, as the stash).
+    splits = splits_backward(schedule, split_backward)
     hand = splits and bool(hand_recomputed)
     class_sizes, class_transfers, working, item = {}, {}, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
@@ -209,7 +209,8 @@ def predict(
         )
         stage = facts.stage(**shape, microbatch=mb)
         class_sizes[c] = stash_rows(stage.stash_elems, tensor)
-        class_transfers[c] = facts.transfer_elems(**shape, microbatch=mb, hand_recomputed=hand) if splits else {}
+        transfer_elems = facts.transfer_elems(**shape, microbatch=mb, hand_recomputed=hand) if splits else {}
+        class_transfers[c] = stash_rows(transfer_elems, tensor)
         # The backward's working set, read from the program: the temporaries of the stage's
         # pullback compiled alone (the largest over the classes). With a tensor axis it is compiled
         # on a tensor mesh where this process has the devices; elsewhere the cut part of the
@@ -217,8 +218,10 @@ def predict(
         # A backward gathers its item's whole part.
         part = facts.tensor_cut(variant, seq, tensor)
         own = facts.tensor_working(**shape, microbatch=mb, tensor=tensor)
-        if splits:  # I and W each compiled alone: the larger
+        if splits:  # I and W each compiled alone: the larger (with a tensor axis, its cut part modelled)
             own = facts.split_working(**shape, microbatch=mb, hand_recomputed=hand)
+            if own is not None:
+                own *= 1 - part.full * (1 - 1 / tensor)
         if own is None:  # whole-stage compile, its cut part modelled
             own = stage.working_bytes * (1 - part.full * (1 - 1 / tensor))
         working = max(working, own)

@@ -194,7 +194,7 @@ class StepBody:
             return None
         dims = [None if p.tensor_dim is None else p.tensor_dim - 1 for p in self.stage_places[c.local]]
         dims += [p.tensor_dim for p in self.shared_places]
-        return CutArena(plan, dims, self.pipeline.tensor, self.cut_keys)
+        return CutArena.of_stash(plan, dims, self.pipeline.tensor, self.cut_keys)
 
     def __call__(self, stage_params, shared, vocab, batch, table_local, vocab_table, rng):
         return _Run(self, stage_params, shared, vocab, batch, rng).scan(table_local, vocab_table)
@@ -235,7 +235,7 @@ class _Run:
             )
             for c in body.tick.classes
         ]
-        self.splits: dict[StageClass, StageSplit] = {}  # per class, its backward split into I and W
+        self.splits: dict[StageClass, tuple] = {}  # per class, its backward split into I and W, and its cut
         self.branches = [self.branch(ci, kind) for ci, kind in body.tick.branches]  # branch 0 is idle
         branches = body.tick.branches
         # Writers of the arenas before their readers: forwards (the stash), then I (what it hands W).
@@ -401,42 +401,56 @@ class _Run:
             d_params, d_shared, d_x = pullback(ct)
         else:  # I runs the cotangents' chain once and hands W what its weight gradients read
             args = (params, shared_in, micro, current, ct)
-            split = self.stage_split(c, plan, args)
+            split, cut = self.stage_split(c, plan, arena, args)
             by_dtype = {name: arenas[i] for name, i in body.transfer_arenas.items()}
             base = {name: transfer_offs[i] for name, i in body.transfer_arenas.items()}
             if kind is Kind.I:
                 d_x, transfers = split.input_grad(args)
-                written = split.hand_over(by_dtype, base, transfers)
+                written = split.hand_over(by_dtype, base, transfers, cut, pin)
                 arenas = list(arenas)
                 for name, i in body.transfer_arenas.items():
                     arenas[i] = written[name]
                 arenas = tuple(arenas)
             else:
-                d_params, d_shared = split.weight_grads(args, split.take_over(by_dtype, base))
+                d_params, d_shared = split.weight_grads(args, split.take_over(by_dtype, base, cut, pin))
         if not no_input_grad:
             message = vary_tree(d_x)
         if kind is not Kind.I:
             grads, shared_grads = self.accumulate(grads, shared_grads, c.local, plan, d_params, d_shared)
         return (message, arenas, grads, shared_grads, totals)
 
-    def stage_split(self, c: StageClass, plan: ResidualPlan, args) -> StageSplit:
-        """Class ``c``'s backward split into I and W (traced once, by whichever runs first)."""
+    def stage_split(
+        self, c: StageClass, plan: ResidualPlan, arena: CutArena | None, args
+    ) -> tuple[StageSplit, CutArena | None]:
+        """Class ``c``'s backward split into I and W (traced once, by whichever runs first), and where
+        its transfers sit in arenas cut over a tensor axis (None: no tensor axis). ``arena``: where
+        its stash sits (:meth:`StepBody.cut_arena`)."""
         if c not in self.splits:
             body = self.body
+            unpack = None if arena is None else arena.unpacker(body.pin)
 
             def backward(params, shared_in, micro, current, ct):
-                return plan.pullback(params, shared_in, self.x_like, micro, current, pin=body.pin)(ct)
+                return plan.pullback(params, shared_in, self.x_like, micro, current, pin=body.pin, unpack=unpack)(ct)
 
             input_grad = not (c.first and body.vocab_split is None)
             split = stage_split(backward, *args, input_grad=input_grad, hand_recomputed=body.pipeline.hand_recomputed)
+            cut = None
+            if body.cut_keys:
+                params, shared_in, micro, current, ct = args
+                dims = [None if p.tensor_dim is None else p.tensor_dim - 1 for p in body.stage_places[c.local]]
+                dims += [p.tensor_dim for p in body.shared_places]
+                dims += [None] * len(jax.tree.leaves(micro))
+                dims += [0 if key in body.cut_keys else None for key in sorted(current)]
+                dims += [None] * len(jax.tree.leaves(ct))
+                cut = split.transfer_arena(dims, body.pipeline.tensor)
             laid_out = body.tick.class_transfer_elems[body.tick.classes.index(c)]
-            need = split.transfer_elems()
+            need = split.transfer_elems() if cut is None else cut.columns
             if any(n > laid_out.get(key, 0) for key, n in need.items()):
                 raise JaxmemError(
                     f"internal: stage class {c.label}'s I hands its W {need} elements, but the tick program laid "
                     f"out {laid_out}; please report this with the model and schedule"
                 )
-            self.splits[c] = split
+            self.splits[c] = split, cut
         return self.splits[c]
 
     # ------------------------------------------------------------------ the ticks

@@ -199,8 +199,9 @@ def as_rows(vec, tensor: int):
 
 
 class CutArena:
-    """Where one stage class's stashed residuals sit in stash arenas cut over ``tensor`` devices
-    (``[tensor, rows]``, row ``t`` on tensor device ``t``).
+    """Where one stage class's stashed residuals (:meth:`of_stash`), or the values its I hands its W
+    (:meth:`~jaxmem.pipeline._iw.StageSplit.transfer_arena`), sit in arenas cut over ``tensor``
+    devices (``[tensor, rows]``, row ``t`` on tensor device ``t``).
 
     A residual the stage computes cut (:func:`cut_dims`) is kept as each device's own share, moved
     nowhere: its cut dimension is split in ``tensor`` blocks and block ``t`` is row ``t``'s columns. The
@@ -211,19 +212,16 @@ class CutArena:
     Buffers on host are not cut (the executor's :func:`~jaxmem.pipeline.stash_cut`).
     """
 
-    def __init__(self, plan, in_dims: list, tensor: int, cut_keys):
-        dims = cut_dims(plan.closed, in_dims)
-        outs = plan.closed.jaxpr.outvars[len(plan.out_avals) :]
+    def __init__(self, leaves: dict, tensor: int, cut_keys):
+        """``leaves``: every value kept, in order, with the dimension it is computed cut on (None:
+        whole); a cut dimension the tensor devices do not divide is taken as whole."""
         self.tensor = tensor
         self.cut_keys = frozenset(cut_keys)
         self.whole: dict = {}  # leaf -> offset in its buffer's whole part
         self.whole_elems: dict = {}  # buffer -> elements of its whole part
         self.cut: dict = {}  # leaf -> (first column, cut dimension)
-        leaves = {}
-        for v, src in zip(outs, plan.sources):
-            if src[0] == "stash" and src[1] not in leaves:
-                d = dims.get(v) if isinstance(v, Var) else None
-                leaves[src[1]] = d if d is not None and src[1].shape[d] % tensor == 0 else None
+        self.columns: dict = {}  # buffer -> columns one microbatch's values take
+        leaves = {leaf: d if d is not None and leaf.shape[d] % tensor == 0 else None for leaf, d in leaves.items()}
         for key in self.cut_keys:
             mine = [(leaf, d) for leaf, d in leaves.items() if leaf.key == key]
             offset = 0
@@ -237,6 +235,19 @@ class CutArena:
                 if d is not None:
                     self.cut[leaf] = (column, d)
                     column += leaf.size // tensor
+            self.columns[key] = column
+
+    @classmethod
+    def of_stash(cls, plan, in_dims: list, tensor: int, cut_keys) -> CutArena:
+        """A stage class's stashed residuals (``plan``: its residual plan; ``in_dims``: the cut
+        dimension of each of the stage's inputs, as :func:`cut_dims` takes them)."""
+        dims = cut_dims(plan.closed, in_dims)
+        outs = plan.closed.jaxpr.outvars[len(plan.out_avals) :]
+        leaves = {}
+        for v, src in zip(outs, plan.sources):
+            if src[0] == "stash" and src[1] not in leaves:
+                leaves[src[1]] = dims.get(v) if isinstance(v, Var) else None
+        return cls(leaves, tensor, cut_keys)
 
     def cut_bytes(self) -> int:
         """Bytes of the residuals kept as shares (not gathered) for one microbatch, whole."""

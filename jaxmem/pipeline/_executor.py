@@ -158,10 +158,10 @@ def uses_split_backward(schedule: Schedule) -> bool:
     return any(a.kind is Kind.I for a in schedule.actions())
 
 
-def splits_backward(schedule: Schedule, split_backward: bool, tensor: int = 1) -> bool:
-    """A pipeline asked for ``split_backward`` hands I's cotangents to W (:mod:`jaxmem.pipeline._iw`):
-    on a schedule with I and W actions, without a tensor axis (whose arenas are cut over it)."""
-    return bool(split_backward) and tensor == 1 and uses_split_backward(schedule)
+def splits_backward(schedule: Schedule, split_backward: bool) -> bool:
+    """A pipeline asked for ``split_backward`` hands I's cotangents to W (:mod:`jaxmem.pipeline._iw`)
+    on a schedule with I and W actions (with a tensor axis, through arenas cut over it, as the stash is)."""
+    return bool(split_backward) and uses_split_backward(schedule)
 
 
 def _counted(spec: dict) -> int:
@@ -617,7 +617,8 @@ class Pipeline:
                 micro, message = self.microbatch_spec(spec), self.message_spec(spec)
                 with _naming_batch_keys(self.model, micro):
                     transfers = {
-                        c: self.backward_split(c, p, micro, message).transfer_elems() for c, p in plans.items()
+                        c: stash_rows(self.backward_split(c, p, micro, message).transfer_elems(), self.tensor)
+                        for c, p in plans.items()
                     }
             tick = build_tick_program(
                 forward_only(self.schedule) if forward else self.schedule,
@@ -633,10 +634,10 @@ class Pipeline:
     def splits_backward(self) -> bool:
         """Its I and W actions share the backward's work (:mod:`jaxmem.pipeline._iw`): I runs the
         cotangents through the stage once and hands W, through arenas of their own, the values its
-        weight gradients read. With ``split_backward``, on schedules with split backwards, without a
-        ``tensor`` axis; otherwise I and W each run the whole pullback, XLA dropping what each
-        discards."""
-        return splits_backward(self.schedule, self.split_backward, self.tensor)
+        weight gradients read (cut over a ``tensor`` axis as the stash is). With ``split_backward``, on
+        schedules with split backwards; otherwise I and W each run the whole pullback, XLA dropping
+        what each discards."""
+        return splits_backward(self.schedule, self.split_backward)
 
     def backward_split(self, c: StageClass, plan: ResidualPlan, micro, message) -> StageSplit:
         """Class ``c``'s backward split into I and W (:mod:`jaxmem.pipeline._iw`), traced abstractly

@@ -15,6 +15,10 @@ cotangent) to ``(d_params, d_shared, d_x)``, is partitioned by its equations:
   W under a policy that recomputes, for the recomputed activations' bytes kept from I to W. Values
   of the parameters alone (a transpose, a cast) are still computed again.
 
+With a ``tensor`` axis the transfer arenas are cut over it as the stash arenas are
+(:meth:`StageSplit.transfer_arena`): a transfer I computes cut stays each device's share, the rest
+are cut as one flat vector, which W gathers back.
+
 Before this split I and W each ran the whole pullback, XLA dropping only the outputs each discards:
 W then ran the cotangents' whole chain through the stage again (issue 28). Now the chain runs once,
 in I, and W runs the weight-gradient products (and any forward recomputation its products read).
@@ -33,6 +37,9 @@ import dataclasses
 import jax
 import numpy as np
 from jax.extend.core import Literal, Var
+
+from jaxmem.pipeline._cut import CutArena, cut_dims
+from jaxmem.pipeline._residuals import StashedLeaf
 
 __all__ = ["TRANSFER_SPACE", "IWSplit", "StageSplit", "abstract_split", "split_backward", "stage_split"]
 
@@ -215,22 +222,58 @@ class StageSplit:
         """Per transfer arena ``(dtype, TRANSFER_SPACE)``, the elements I hands W."""
         return {(dtype, TRANSFER_SPACE): n for dtype, n in self.split.transfer_elems().items()}
 
-    def hand_over(self, arenas: dict, base: dict, transfers) -> dict:
+    def transfer_leaves(self) -> list[StashedLeaf]:
+        """The transfers as stashed values of the transfer arenas, in order."""
+        places = self.split.transfer_places()[0]
+        return [
+            StashedLeaf(name, off, tuple(a.shape), "device", TRANSFER_SPACE)
+            for a, (name, off) in zip(self.split.transfer_avals, places, strict=True)
+        ]
+
+    def transfer_arena(self, in_dims: list, tensor: int) -> CutArena:
+        """Where the transfers sit in transfer arenas cut over ``tensor`` devices, as a stash is
+        (:class:`~jaxmem.pipeline._cut.CutArena`): a transfer I computes cut stays each device's share,
+        the others are cut as one flat vector and gathered back by W. ``in_dims``: the cut dimension
+        of each of the backward's flat inputs (``(params, shared, micro, stash, ct)``)."""
+        dims = cut_dims(self.split.closed, in_dims)
+        leaves = self.transfer_leaves()
+        found = {leaf: dims.get(v) for leaf, v in zip(leaves, self.split.transfers, strict=True)}
+        return CutArena(found, tensor, {leaf.key for leaf in leaves})
+
+    def hand_over(self, arenas: dict, base: dict, transfers, cut: CutArena | None = None, pin=None) -> dict:
         """I's transfers written in place into their arenas (``arenas``: per dtype name, a flat
-        buffer; ``base``: per dtype, where this stage-microbatch's region starts)."""
+        buffer, or ``[tensor, rows]`` cut as ``cut`` lays them out; ``base``: per dtype, where this
+        stage-microbatch's region starts; ``pin``: how whole values are held, as the stash's)."""
         arenas = dict(arenas)
-        for value, (name, off) in zip(transfers, self.split.transfer_places()[0], strict=True):
+        leaves = self.transfer_leaves()
+        if cut is not None:
+            for key in dict.fromkeys(leaf.key for leaf in leaves):
+                parts = [(leaf, value) for leaf, value in zip(leaves, transfers, strict=True) if leaf.key == key]
+                packed = cut.pack(key, parts, pin)
+                arenas[key[0]] = jax.lax.dynamic_update_slice_in_dim(arenas[key[0]], packed, base[key[0]], 1)
+            return arenas
+        for value, leaf in zip(transfers, leaves, strict=True):
+            name = leaf.dtype
             arenas[name] = jax.lax.dynamic_update_slice_in_dim(
-                arenas[name], jax.numpy.ravel(value), base[name] + off, 0
+                arenas[name], jax.numpy.ravel(value), base[name] + leaf.offset, 0
             )
         return arenas
 
-    def take_over(self, arenas: dict, base: dict) -> list:
+    def take_over(self, arenas: dict, base: dict, cut: CutArena | None = None, pin=None) -> list:
         """W's transfers read back out of their arenas (as :meth:`hand_over` wrote them)."""
-        places = self.split.transfer_places()[0]
+        leaves = self.transfer_leaves()
+        if cut is not None:
+            unpack = cut.unpacker(pin)
+            slots = {
+                key: jax.lax.dynamic_slice_in_dim(arenas[key[0]], base[key[0]], cut.columns[key], 1)
+                for key in dict.fromkeys(leaf.key for leaf in leaves)
+            }
+            return [unpack(leaf, slots[leaf.key]) for leaf in leaves]
         return [
-            jax.lax.dynamic_slice_in_dim(arenas[name], base[name] + off, int(np.prod(a.shape)), 0).reshape(a.shape)
-            for a, (name, off) in zip(self.split.transfer_avals, places, strict=True)
+            jax.lax.dynamic_slice_in_dim(arenas[leaf.dtype], base[leaf.dtype] + leaf.offset, leaf.size, 0).reshape(
+                leaf.shape
+            )
+            for leaf in leaves
         ]
 
     def weight_grads(self, args, transfers) -> tuple[object, object]:

@@ -161,9 +161,10 @@ def cell_classes(
 
 
 def stash_cut(key: tuple[str, str], tensor: int) -> int:
-    """Over how many tensor devices a stash arena is cut: device arenas over all of them (each keeps
-    its share of every stashed vector, gathered back for the backward), host arenas not at all."""
-    return tensor if key[1] == "device" else 1
+    """Over how many tensor devices a stash arena is cut: device arenas (the stash's, and those of
+    what a split backward's I hands its W) over all of them (each keeps its share of every stashed
+    vector, gathered back for the backward), host arenas not at all."""
+    return 1 if key[1] == "host" else tensor
 
 
 def stash_rows(stash_elems: dict[tuple[str, str], int], tensor: int = 1) -> dict[tuple[str, str], int]:

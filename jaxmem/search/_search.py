@@ -256,7 +256,7 @@ def evaluate(
     hardware = get_hardware(hardware)
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     mb = batch // (data * fsdp * schedule.num_microbatches)
-    split_backward = splits_backward(schedule, split_backward, tensor)
+    split_backward = splits_backward(schedule, split_backward)
     hand_recomputed = split_backward and bool(hand_recomputed)
 
     layout = dict(
@@ -491,7 +491,7 @@ def search(
     leaves the fsdp splits out; ``tensors``: the tensor splits to try (default
     :func:`tensor_sizes`); ``mesh``: one layout only (``{"data", "fsdp", "pipe", "tensor"}``, its
     product the devices); ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`;
-    ``split_backward``: on schedules with I and W (no tensor axis), whether I hands W its cotangents
+    ``split_backward``: on schedules with I and W, whether I hands W its cotangents
     (faster, W does half a backward instead of a whole one; the cotangents take memory from I to W);
     None tries both. ``hand_recomputed``: with the split, whether I also hands W what it recomputed
     (W recomputes no forward; those activations take memory from I to W); None tries both under
@@ -530,7 +530,7 @@ def search(
         if fsdp_size > 1:  # FSDP: each preset also with its stages' weights kept gathered F->B
             names += [f"{n}{KEEP_GATHERED}" for n in policies if n in PRESETS]
         splits = [split_backward] if split_backward is not None else [False, True]
-        splits = [s for s in splits if not s or splits_backward(schedule, s, tensor)] or [False]
+        splits = [s for s in splits if not s or splits_backward(schedule, s)] or [False]
         variants = [(n, s, h) for n in names for s in splits for h in _handoffs(n, s, hand_recomputed)]
         for name, split, hand in variants:
             cand = evaluate(
