@@ -300,6 +300,22 @@ def test_the_cut_analysis_follows_the_megatron_split():
     # Matmul FLOPs per token: qkv 6d^2, output 2d^2, MLP 16d^2 (cut), attention 4 s d.
     assert cut.flops == pytest.approx(16 * d / (24 * d + 4 * seq)) and cut.reduced_bytes == seq * d * 4
     assert model_facts(gpt).tensor_cut(PRESETS["save-all"].bind(gpt.tags), seq, 1).flops == 0.0
+    # A sharding constraint places its value as it says, whatever its input's cut (a whole value read
+    # back from a cut arena is pinned replicated; taken as cut, W would have resharded it).
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmem.pipeline import cut_dims
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
+
+    def pinned(rows, w):
+        flat = jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, P())).reshape(-1)
+        return flat, jax.lax.with_sharding_constraint(flat.reshape(4, 4) @ w, NamedSharding(mesh, P(None, "tensor")))
+
+    closed = jax.make_jaxpr(pinned)(np.ones((2, 8), np.float32), np.ones((4, 4), np.float32))
+    dims = cut_dims(closed, [0, None])
+    assert [dims[v] for v in closed.jaxpr.outvars] == [None, 1]
 
 
 def test_the_planner_prices_and_searches_the_tensor_axis():

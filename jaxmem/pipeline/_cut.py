@@ -74,9 +74,21 @@ def _dot(eqn, dims):
     return None  # contracted over the cut (summed whole by an all-reduce) or nothing cut
 
 
+def _constrained(sharding, ndim: int):
+    """The dimension a sharding constraint cuts over ``tensor`` (None: whole, or not over it)."""
+    spec = tuple(getattr(sharding, "spec", sharding) or ())
+    for d, entry in enumerate(spec[:ndim]):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if TENSOR in names:
+            return d
+    return None
+
+
 def _out_dim(eqn, dims):
     """The cut dimension of the equation's (first) output."""
     name = eqn.primitive.name
+    if name == "sharding_constraint":  # the value is placed as the constraint says
+        return _constrained(eqn.params.get("sharding"), len(_shape(eqn.outvars[0])))
     ins = [v for v in eqn.invars if isinstance(v, Var)]
     cut_in = [(v, dims[v]) for v in ins if dims.get(v) is not None]
     if not cut_in:
