@@ -12,8 +12,11 @@ Each flag set runs in a fresh process (XLA reads ``XLA_FLAGS`` once), which comp
 - one train step (ZBV, selective, P=4 on 4 virtual devices): its compile time and temporaries.
 
 The flag sets: XLA's defaults; ``--xla_backend_optimization_level=0``; and that with
-``--xla_cpu_use_fusion_emitters=false`` (the suite's). The record lists, per stage backward, the
-temporaries under each, and a summary of how many equal the defaults'.
+``--xla_cpu_use_fusion_emitters=false`` (the suite's) -- each with the stage backwards compiled under
+the flags alone -- and XLA's defaults with the planner's own compile option on the stage backwards
+(``jaxmem.memory._facts._working_options``: level 0 on CPU), as ``jaxmem plan`` compiles them. The
+record lists, per stage backward, the temporaries under each, and a summary of how many equal the
+defaults'.
 """
 
 from __future__ import annotations
@@ -25,18 +28,23 @@ import subprocess
 import sys
 import time
 
+# name -> (XLA_FLAGS, whether the working-set compiles keep the planner's own compile option)
 FLAG_SETS = {
-    "default": "",
-    "O0": "--xla_backend_optimization_level=0",
-    "O0, no fusion emitters": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
+    "default": ("", False),
+    "O0": ("--xla_backend_optimization_level=0", False),
+    "O0, no fusion emitters": ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false", False),
+    "default, the planner's option": ("", True),
 }
 
 
-def measure(model_name: str) -> dict:
-    """In this process, under its XLA_FLAGS: the stage backwards' temporaries and compile times."""
+def measure(model_name: str, planner_option: bool = True) -> dict:
+    """In this process, under its XLA_FLAGS: the stage backwards' temporaries and compile times;
+    ``planner_option=False`` compiles the stage backwards without the planner's compile option
+    (``jaxmem.memory._facts._working_options``), under the flags alone."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import jax._src.compiler as compiler
 
+    import jaxmem.memory._facts as facts_module
     from jaxmem.config import TrainConfig
     from jaxmem.memory import model_facts
     from jaxmem.models import get_model
@@ -54,6 +62,8 @@ def measure(model_name: str) -> dict:
             spent[0] += time.perf_counter() - start
 
     compiler.backend_compile_and_load = timed
+    if not planner_option:
+        facts_module._working_options = lambda: None
     model = get_model(model_name, n_layers=4)
     facts = model_facts(model)
     temps = {}
@@ -83,17 +93,18 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama-tiny", help="model preset (default llama-tiny)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--planner-option", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.model)))
+        print(json.dumps(measure(args.model, bool(args.planner_option))))
         return 0
     runs = {}
-    for name, flags in FLAG_SETS.items():
+    for name, (flags, option) in FLAG_SETS.items():
         print(f"compiling under {name!r} ...", file=sys.stderr)
         env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip()}
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", "1", "--model", args.model],
+            [sys.executable, __file__, "--child", "1", "--model", args.model, "--planner-option", str(int(option))],
             env=env,
             capture_output=True,
             text=True,

@@ -45,6 +45,15 @@ __all__ = ["WORKSET_MICROBATCH", "ModelFacts", "StageFacts", "StaticBytes", "Ten
 WORKSET_MICROBATCH = 2
 
 
+def _working_options() -> dict | None:
+    """Compiler options for the working-set compiles: on XLA:CPU, its backend optimisation level 0,
+    which lays the temporaries out as the default level does and compiles in about 60% of the time
+    (``benchmarks/compile_flags.py``); nothing elsewhere (an accelerator's compile is its own)."""
+    import jax
+
+    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class StaticBytes:
     """Per-device bytes of the static state on a mesh, from the placement of every leaf
@@ -715,7 +724,8 @@ class ModelFacts:
                 )
             else:
                 lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
-            temps = [float(part.compile().memory_analysis().temp_size_in_bytes) for part in lowered]
+            options = _working_options()
+            temps = [float(part.compile(options).memory_analysis().temp_size_in_bytes) for part in lowered]
             cache[key] = max(temps) / mb
         return cache[key]
 

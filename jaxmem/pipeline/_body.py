@@ -192,9 +192,13 @@ class StepBody:
         """Where class ``c``'s residuals sit in the cut arenas (None: no tensor axis)."""
         if not self.cut_keys:
             return None
-        dims = [None if p.tensor_dim is None else p.tensor_dim - 1 for p in self.stage_places[c.local]]
-        dims += [p.tensor_dim for p in self.shared_places]
-        return CutArena.of_stash(plan, dims, self.pipeline.tensor, self.cut_keys)
+        return CutArena.of_stash(plan, self.param_dims(c.local), self.pipeline.tensor, self.cut_keys)
+
+    def param_dims(self, local: int) -> list:
+        """The dimension the tensor axis cuts of each leaf of local stage ``local``'s parameters (as a
+        stage reads them, without the dimension the stages are stacked on), then of each shared leaf."""
+        dims = [None if p.tensor_dim is None else p.tensor_dim - 1 for p in self.stage_places[local]]
+        return dims + [p.tensor_dim for p in self.shared_places]
 
     def __call__(self, stage_params, shared, vocab, batch, table_local, vocab_table, rng):
         return _Run(self, stage_params, shared, vocab, batch, rng).scan(table_local, vocab_table)
@@ -436,10 +440,8 @@ class _Run:
             split = stage_split(backward, *args, input_grad=input_grad, hand_recomputed=body.pipeline.hand_recomputed)
             cut = None
             if body.cut_keys:
-                params, shared_in, micro, current, ct = args
-                dims = [None if p.tensor_dim is None else p.tensor_dim - 1 for p in body.stage_places[c.local]]
-                dims += [p.tensor_dim for p in body.shared_places]
-                dims += [None] * len(jax.tree.leaves(micro))
+                _, _, micro, current, ct = args
+                dims = body.param_dims(c.local) + [None] * len(jax.tree.leaves(micro))
                 dims += [0 if key in body.cut_keys else None for key in sorted(current)]
                 dims += [None] * len(jax.tree.leaves(ct))
                 cut = split.transfer_arena(dims, body.pipeline.tensor)
