@@ -7,6 +7,8 @@ and policies; compile time vs microbatches; and what one tick of the compiled st
         # each variant with and without split_backward, in the same rounds (results/overhead_split.json)
     python benchmarks/overhead.py --hand-recomputed --schedules zbv,chronos --policies selective,recompute-all --json
         # each variant split, with and without hand_recomputed, in the same rounds (results/overhead_hand.json)
+    python benchmarks/overhead.py --split-backward --tensor 2 --schedules zbv,chronos --microbatches 8 --json
+        # the same with a tensor axis: P=4 x T=2 on 8 devices (results/overhead_split_tensor.json)
 
 Measured in one process on virtual CPU devices (P=4 on 4 devices): every pipelined step against the
 plain ``jax.jit(value_and_grad + Adam)`` step on the SAME 4 devices (data parallel: the batch split
@@ -86,7 +88,16 @@ def plain_step(config_name, batch, seq, seed=0, devices=4, layers=None):
 
 
 def pipelined_program(
-    microbatches, batch, seq, schedule="1f1b", stages=4, policy="selective", model="tiny", split=False, hand=False
+    microbatches,
+    batch,
+    seq,
+    schedule="1f1b",
+    stages=4,
+    policy="selective",
+    model="tiny",
+    split=False,
+    hand=False,
+    tensor=1,
 ):
     """The pipelined train step compiled: ``(compiled, run, state, batches, compile seconds)`` with
     ``run(state, batch) -> state``, the state ``(params, opt_state)``."""
@@ -102,6 +113,7 @@ def pipelined_program(
             steps=1,
             split_backward=split,
             hand_recomputed=hand,
+            tensor=tensor,
         )
     )
     state = trainer.init_state()
@@ -157,6 +169,12 @@ def main(argv=None):
         help="time every variant with split_backward, without and with hand_recomputed (W takes what I "
         "recomputed too), in the same rounds",
     )
+    parser.add_argument(
+        "--tensor",
+        type=int,
+        default=1,
+        help="tensor devices per pipe rank (the plain step then runs data parallel over all 4 x T devices)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
@@ -173,7 +191,7 @@ def main(argv=None):
     # The plain step stays compiled and is timed again in every round, beside the variants: the
     # machine's speed drifts by up to a third between runs here, and a ratio of timings made minutes
     # apart carries that drift.
-    _, plain_run, plain_state, plain_batches, plain4_compile = plain_step("tiny", B, T, devices=4)
+    _, plain_run, plain_state, plain_batches, plain4_compile = plain_step("tiny", B, T, devices=4 * args.tensor)
     plain_state, _ = time_steps(plain_run, plain_state, plain_batches, 2)  # warm up
     plain_rounds = []
     rows = []
@@ -188,7 +206,15 @@ def main(argv=None):
             for policy in args.policies.split(","):
                 for split, hand in variants:
                     _, run, state, batches, compile_s = pipelined_program(
-                        m, B, T, schedule=schedule, policy=policy, model=model, split=split, hand=hand
+                        m,
+                        B,
+                        T,
+                        schedule=schedule,
+                        policy=policy,
+                        model=model,
+                        split=split,
+                        hand=hand,
+                        tensor=args.tensor,
                     )
                     state, _ = time_steps(run, state, batches, 2)  # warm up
                     group.append({"policy": policy, "split": split, "hand": hand, "run": run, "state": state,
@@ -226,7 +252,10 @@ def main(argv=None):
                     flush=True,
                 )
     plain4_s = float(np.median(plain_rounds))
-    print(f"plain jit, data parallel over 4 devices: {plain4_s:.4f} s/step (median of its rounds)", file=sys.stderr)
+    print(
+        f"plain jit, data parallel over {4 * args.tensor} devices: {plain4_s:.4f} s/step (median of its rounds)",
+        file=sys.stderr,
+    )
     compile_m4 = pipelined_program(4, B, T, model=model)[-1]
     compile_m32 = pipelined_program(32, B, T, model=model)[-1]
     record = {
@@ -236,6 +265,8 @@ def main(argv=None):
         "batch_size": B,
         "seq_len": T,
         "pipe": 4,
+        "tensor": args.tensor,
+        "plain_devices": 4 * args.tensor,  # the plain_data_parallel_4 figures' devices
         "platform": jax.devices()[0].platform,
         "cpu_count": os.cpu_count(),
         "rounds": args.rounds,

@@ -229,3 +229,20 @@ def test_the_heap_kept_grid_matches_its_record():
     within = [sum(r["over_ideal"] <= 1.15 for r in record["grid"]) for record in (heap, default)]
     assert f"and {within[0]} of the 24 variants are within 1.15x of their ideal, against {within[1]} there" in README
     assert f"plain step {heap['plain_data_parallel_4_step_seconds']:.3f} s)" in README
+
+
+def test_the_split_under_a_tensor_axis_matches_its_record():
+    record = _record("overhead_split_tensor.json")
+    assert record["tensor"] == 2 and record["plain_devices"] == 8
+    rows = {(r["schedule"], r["policy"], r["split_backward"]): r["over_plain"] for r in record["grid"]}
+    names = {"zbv": "ZBV", "chronos": "Chronos"}
+    changes = []
+    for (schedule, policy, split), ratio in rows.items():
+        if split:
+            without = rows[(schedule, policy, False)]
+            changes.append(ratio / without - 1)
+            said = f"{policy} {without:.2f}x -> {ratio:.2f}x"
+            assert said in README, (names[schedule], said)
+    assert len(changes) == 6 and min(changes) > 0  # "slower in all six"
+    assert f"The split is {min(changes) * 100:.0f}-{max(changes):.0%} slower in all six" in README
+    assert f"plain step data parallel over the same 8 at {record['plain_data_parallel_4_step_seconds']:.3f} s" in README

@@ -493,7 +493,8 @@ def search(
     product the devices); ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`;
     ``split_backward``: on schedules with I and W, whether I hands W its cotangents
     (faster, W does half a backward instead of a whole one; the cotangents take memory from I to W);
-    None tries both. ``hand_recomputed``: with the split, whether I also hands W what it recomputed
+    None tries both (on a CPU profile with a tensor axis only without: measured slower there).
+    ``hand_recomputed``: with the split, whether I also hands W what it recomputed
     (W recomputes no forward; those activations take memory from I to W); None tries both under
     recompute-all, where a split W re-runs a whole forward (each try compiles the split's working
     set again). Not under selective, whose W re-runs only elementwise values (0-7% of a step
@@ -531,6 +532,11 @@ def search(
             names += [f"{n}{KEEP_GATHERED}" for n in policies if n in PRESETS]
         splits = [split_backward] if split_backward is not None else [False, True]
         splits = [s for s in splits if not s or splits_backward(schedule, s)] or [False]
+        if hw.cores and tensor > 1 and split_backward is None:
+            # On shared CPU cores W's gathers of what I handed it cost more than the forward the split
+            # saves (benchmarks/results/overhead_split_tensor.json), and the profile prices no
+            # collective: the split is not tried there unless asked for.
+            splits = [False]
         variants = [(n, s, h) for n in names for s in splits for h in _handoffs(n, s, hand_recomputed)]
         for name, split, hand in variants:
             cand = evaluate(
