@@ -21,7 +21,8 @@ LAYOUTS = [
     ("1f1b", 2, 2, None, 2, 1, "tiny", None),  # ZeRO over data
     ("1f1b", 2, 4, None, 2, 2, "llama-tiny", None),  # FSDP x data x pipe
     ("zbv", 2, 2, None, 1, 2, "tiny", "selective"),  # FSDP with split backwards and a policy
-    ("interleaved-1f1b", 1, 2, 4, 1, 4, "llama-tiny", "recompute-all"),  # FSDP only: one rank, 4 stages
+    # FSDP only: one rank, 4 stages, their weights on host (the prefetch slot holds this device's shard)
+    ("interleaved-1f1b", 1, 2, 4, 1, 4, "llama-tiny", {"base": "recompute-all", "offload_weights": True}),
 ]
 
 

@@ -514,8 +514,9 @@ class _Run:
         body = self.body
         if "prefetch" not in body.col:
             return None
-        like = body.abstract.stages[body.host_stages[0]]
-        empty = jax.tree.map(lambda a: vary(jnp.zeros(a.shape[1:], a.dtype)), like)
+        # This device's shard of the weights (cut over fsdp, as the slot holds them before the gather).
+        like = self.stage_params[body.host_stages[0]]
+        empty = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), like)
         return self.fetch(empty, table[0, body.col["prefetch_first"]])
 
     def scan(self, table_local, vocab_table):
