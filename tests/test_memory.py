@@ -110,23 +110,27 @@ def test_ledger_moves_offloaded_bytes_to_host():
 
 
 def test_the_update_time_copy_of_offloaded_state_is_booked():
-    """Offloaded weights / optimizer state come to the device for the update, when the stash is dead:
-    with a small stash (recompute-all) that copy sets the transient peak, unless the weights' slots
-    in the ticks do."""
-    schedule = generate("1f1b", 4, 8)
-    base = predict("tiny", schedule, "recompute-all", batch=8, seq=16)
+    """Offloaded weights / optimizer state are updated layer by layer, when the stash is dead
+    (jaxmem.train._update): two layers' weights and moments on the device, the one being updated and
+    the next arriving, where the whole update brought the rank's all. With a small stash
+    (recompute-all) that copy is booked against the transient peak, unless the weights' slots in the
+    ticks set it."""
     both = StagePolicy(base="recompute-all", offload_weights=True, offload_optimizer_state=True)
-    off = predict("tiny", schedule, both, batch=8, seq=16)
+    one = model_facts(get_model("tiny")).static_bytes(2, 1, 1)
+    layer = 2 * (one.stage_params[0] + 2 * one.stage_state[0])
+    schedule = generate("1f1b", 2, 2)
+    base = predict("tiny", schedule, "recompute-all", batch=2, seq=4)
+    off = predict("tiny", schedule, both, batch=2, seq=4)
     for b, o in zip(base.ranks, off.ranks):
         host = o.categories["params"].host + o.categories["optimizer_state"].host
+        stash = o.categories["stash"].device
         assert host > 0 and o.host_bytes >= host
-        # In the ticks: the prefetch slot, holding the rank's one stage.
+        assert layer == host / 2  # four layers a stage
+        # In the ticks: the prefetch slot, holding the rank's one stage. Here it sets the peak, where
+        # the whole copy would have.
         ticks = b.categories["transient"].device + o.categories["params"].host
-        assert (
-            o.categories["transient"].device
-            == max(ticks, host - o.categories["stash"].device)
-            > b.categories["transient"].device
-        )
+        assert layer - stash < ticks < host - stash
+        assert o.categories["transient"].device == max(ticks, layer - stash) > b.categories["transient"].device
 
 
 def test_live_stash_follows_the_schedule():

@@ -259,7 +259,7 @@ def test_weights_on_host_are_fetched_an_action_ahead_beside_the_action_before():
 
 def _gpu_placements(policy):
     """The train step of ``policy`` lowered for a GPU (StableHLO; no GPU needed): the memory kinds of
-    its in-program placements and of its arguments, counted."""
+    its in-program placements and of its arguments, counted; and the update's fetches to the device."""
     import re
 
     trainer = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16, policy=policy))
@@ -269,7 +269,17 @@ def _gpu_placements(policy):
     placements = re.findall(r'_xla_buffer_placement = "(\w+)"', text)
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     arguments = re.findall(r'mhlo.memory_kind = "(\w+)"', main.split("->")[0])
-    return trainer, state, placements.count("pinned_host"), arguments.count("pinned_host")
+    # The update: host arguments brought to the device whole, and one layer's slices brought in.
+    on_host = set(re.findall(r'(%arg\d+): tensor<[^>]*> \{mhlo.memory_kind = "pinned_host"', main))
+    fetched = re.findall(r'annotate_device_placement\((%arg\d+)\)[^\n]*_xla_buffer_placement = "device"', text)
+    layers = jax.tree.leaves(state.params.stages)[0].shape[1]
+    one_layer = re.findall(r'_xla_buffer_placement = "device"}} : \(tensor<2x1x', text)
+    fetches = {
+        "whole": len(on_host.intersection(fetched)),
+        "one_layer": len(one_layer),
+        "layers": layers,
+    }
+    return trainer, state, [placements.count("pinned_host"), arguments.count("pinned_host")], fetches
 
 
 def test_offload_survives_lowering_where_a_gpu_would_run_it():
@@ -277,7 +287,7 @@ def test_offload_survives_lowering_where_a_gpu_would_run_it():
     in-program ``device_put`` to a memory space as nothing (jax/_src/dispatch.py), so the program is
     lowered for a GPU instead: every offload policy's host transfers and host-resident arguments are
     there, and nothing else is on host."""
-    counts = {}
+    counts, fetches = {}, {}
     for name, policy in [
         ("save-all", "save-all"),
         ("offload-stash", "offload-stash"),
@@ -285,7 +295,7 @@ def test_offload_survives_lowering_where_a_gpu_would_run_it():
         ("offload-weights", "offload-weights"),
         ("offload-optimizer-state", "offload-optimizer-state"),
     ]:
-        trainer, state, *counts[name] = _gpu_placements(policy)
+        trainer, state, counts[name], fetches[name] = _gpu_placements(policy)
         if name == "offload-stash":  # ... and the CPU's own lowering drops them (so the CPU saves nothing)
             assert "pinned_host" not in trainer.lower(state).as_text()
     stage_leaves = len(jax.tree.leaves(state.params.stages))
@@ -297,22 +307,40 @@ def test_offload_survives_lowering_where_a_gpu_would_run_it():
     assert counts["offload-weights"][1] == stage_leaves
     assert counts["offload-optimizer-state"][1] == 2 * stage_leaves  # Adam's mu and nu
     assert counts["offload-weights"][0] > 0 and counts["offload-optimizer-state"][0] > 0
+    # The update streams them by the layer (jaxmem.train._update): no host argument comes to the device
+    # whole (before: every one, 2 x 12 for the moments), but one layer of each, in a loop over the layers.
+    streamed = fetches["offload-optimizer-state"]
+    assert streamed["layers"] > 1 and streamed["whole"] == 0 and streamed["one_layer"] >= 2 * stage_leaves
 
 
 def test_offload_optimizer_state_trains_with_moments_on_host():
-    trainer = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16, policy="offload-optimizer-state"))
+    """Weights and moments on host, updated layer by layer (jaxmem.train._update), step the same
+    parameters as the whole update on the device, with AdamW's mask and the global-norm clip."""
+    from jaxmem.train import make_optimizer
+
+    config = dict(pipe=2, microbatches=2, batch_size=4, seq_len=16, weight_decay=0.1, grad_clip=0.05)
+    policy = {"base": "save-all", "offload_weights": True, "offload_optimizer_state": True}
+    trainer = Trainer(TrainConfig(**config, policy=policy))
     state = trainer.init_state()
-    reference = Trainer(TrainConfig(pipe=2, microbatches=2, batch_size=4, seq_len=16))
+    # A user's optimizer is not streamed: the reference runs the whole update.
+    reference = Trainer(TrainConfig(**config), optimizer=make_optimizer(TrainConfig(**config)))
     ref_state = reference.init_state()
-    for _ in range(2):
+    assert trainer.streams_update and not reference.streams_update
+    for _ in range(3):
         state, metrics, _ = trainer.step(state)
         ref_state, ref_metrics, _ = reference.step(ref_state)
         assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-6)
+        assert float(metrics["grad_norm"]) > 0.05  # the clip acts
+    for ours, theirs in zip(
+        jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((ref_state.params, ref_state.opt_state))
+    ):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-7)
     moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim]
     kinds = [leaf.sharding.memory_kind for leaf in moments]
     stage_leaves = len(jax.tree.leaves(state.params.stages))
     assert kinds.count("pinned_host") == 2 * stage_leaves and "device" in kinds  # shared moments stay
-    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"device"}
+    params = [leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)]
+    assert params.count("pinned_host") == stage_leaves and "device" in params
     assert ":S(5)}" in trainer.compiled(state).as_text()  # host memory space in the compiled layouts
 
 

@@ -162,16 +162,8 @@ def predict(
     weights_host = [resolved.offload_weights(schedule.stages_of(0)[v]) for v in range(virtual)]
     opt_host = [resolved.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(virtual)]
     vocab = uses_vocab_split(model, schedule.num_ranks, vocab_parallel)
-    static = facts.static_bytes(
-        schedule.num_ranks,
-        facts.stage_rows(counts),
-        virtual,
-        data=data_parallel,
-        fsdp=fsdp,
-        tensor=tensor,
-        zero=zero,
-        vocab=vocab,
-    )
+    static_kwargs = dict(data=data_parallel, fsdp=fsdp, tensor=tensor, zero=zero, vocab=vocab)
+    static = facts.static_bytes(schedule.num_ranks, facts.stage_rows(counts), virtual, **static_kwargs)
 
     def split(per_stage, shared, on_host) -> Bytes:
         host = sum(b for b, h in zip(per_stage, on_host) if h)
@@ -258,11 +250,15 @@ def predict(
     # where its stages on host differ in shape, each action fetches its own, and this is a bound).
     fetched = [b for b, h in zip(static.stage_params, weights_host) if h]
     transient += min(len(fetched), 2) * max(fetched, default=0.0)
-    # The update brings offloaded weights and optimizer state to the device (the train step's to_device)
-    # after the backward, when the stash arenas are dead: that copy is the transient peak when it is
-    # larger than the stash and the backward's working set together.
-    update_copy = params.host + optimizer.host
-    transient = max(transient, update_copy - stash_dev)
+    # The update streams a stage with weights or optimizer state on host layer by layer, after the
+    # backward, when the stash arenas are dead (jaxmem.train._update): the device holds two layers'
+    # weights and optimizer state, the one being updated and the next one arriving (the update's
+    # elementwise math reads the gradient in place and can write over the fetched copy). That is the
+    # transient peak when it is larger than the stash and the backward's working set together.
+    if any(w or o for w, o in zip(weights_host, opt_host)):
+        layer = _layer_static(facts, schedule.num_ranks, facts.stage_rows(counts), static_kwargs)
+        update_copy = 2 * max(p + k * s for p, s in layer)
+        transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
     meta = _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source)
     meta.update(
@@ -277,6 +273,17 @@ def predict(
         }
     )
     return Ledger("predicted", ranks, meta)
+
+
+def _layer_static(facts, ranks: int, rows, static_kwargs) -> list[tuple[float, float]]:
+    """Per device, one layer's parameters and one optimizer array of it: per parameter family where the
+    layers have several (``rows`` a tuple, as :meth:`~jaxmem.memory.ModelFacts.stage_rows` gives)."""
+    units = [1] if isinstance(rows, int) else [tuple(int(i == f) for i in range(len(rows))) for f in range(len(rows))]
+    out = []
+    for unit in units:
+        one = facts.static_bytes(ranks, unit, 1, **static_kwargs)
+        out.append((one.stage_params[0], one.stage_state[0]))
+    return out
 
 
 def _rank_ledgers(num_ranks, params, grads, optimizer, stash, transient, live) -> tuple[RankLedger, ...]:

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jaxmem.data import DataIterator
 from jaxmem.pipeline import PipelineParams
 
-__all__ = ["TrainState", "global_put", "scalar", "to_device"]
+__all__ = ["TrainState", "global_put", "on_host", "scalar", "to_device"]
 
 
 @dataclasses.dataclass
@@ -44,13 +44,12 @@ def scalar(x) -> float:
     return float(x)
 
 
+def on_host(x) -> bool:
+    """Whether an array (or, inside a jitted function, a traced value) lives in host memory."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or getattr(jax.typeof(x), "memory_space", "")
+    return "host" in str(kind).lower()
+
+
 def to_device(tree):
     """Bring host-resident leaves (``pinned_host`` memory kind) to device memory; others unchanged."""
-
-    def fetch(x):
-        kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or str(
-            getattr(jax.typeof(x), "memory_space", "")
-        )
-        return jax.device_put(x, jax.memory.Space.Device) if "host" in str(kind).lower() else x
-
-    return jax.tree.map(fetch, tree)
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, tree)

@@ -30,6 +30,7 @@ from jaxmem.models import StagedModel, describe_model
 from jaxmem.pipeline import Pipeline, PipelineParams, batch_spec, make_mesh
 from jaxmem.train._state import TrainState, global_put, to_device
 from jaxmem.train._state_io import TrainStateReader, nest
+from jaxmem.train._update import streamed_groups, streamed_update
 
 __all__ = ["Trainer", "abstract_state", "learning_rate", "make_optimizer"]
 
@@ -71,12 +72,17 @@ def make_optimizer(spec: OptimizerSpec | TrainConfig):
     with ``weight_decay`` (on matrices only, not on biases, norms' scales or other vectors), under the
     learning-rate schedule, after clipping the gradients' global norm to ``grad_clip``."""
     config = spec.optimizer if isinstance(spec, TrainConfig) else spec
+    opt = _elementwise(config)
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), opt) if config.grad_clip else opt
+
+
+def _elementwise(config: OptimizerSpec):
+    """:func:`make_optimizer`'s optimizer without its clip: elementwise per parameter, so it can be run
+    on slices of the parameters (:func:`~jaxmem.train._update.streamed_update`)."""
     lr = learning_rate(config)
     if config.weight_decay:
-        opt = optax.adamw(lr, weight_decay=config.weight_decay, mask=_decay_mask)
-    else:
-        opt = optax.adam(lr)
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip), opt) if config.grad_clip else opt
+        return optax.adamw(lr, weight_decay=config.weight_decay, mask=_decay_mask)
+    return optax.adam(lr)
 
 
 class Trainer:
@@ -144,6 +150,8 @@ class Trainer:
         self._check_samples()
         self.pipeline.check_batch(self.batch_spec())
         self.optimizer = optimizer or make_optimizer(config.optimizer)
+        # jaxmem's own optimizer is elementwise after its clip: offloaded state can be updated by the layer.
+        self.streams_update = optimizer is None
         self.learning_rate = learning_rate(config.optimizer) if optimizer is None else None
         self.data_iterator()  # checks the data against the model (vocabulary, sequence length)
         self._step_fn = None
@@ -267,10 +275,16 @@ class Trainer:
         ``grad_norm`` (before clipping)."""
         grad_fn = pipeline.grad_fn(batch)
         optimizer = self.optimizer
+        offloaded = tuple(w or s for w, s in zip(pipeline.weights_on_host, pipeline.optimizer_state_on_host))
+        roles = streamed_groups(pipeline.placement, offloaded) if self.streams_update and any(offloaded) else None
+        inner, clip = _elementwise(self.config.optimizer), self.config.optimizer.grad_clip
 
         def step(params, opt_state, batch):
             loss, grads = grad_fn(pipeline.compute_params(params), batch)
             grad_norm = optax.tree.norm(grads)
+            if roles is not None:  # offloaded stages updated layer by layer, their state streamed
+                params, opt_state = streamed_update(inner, grads, opt_state, params, roles, clip=clip)
+                return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
             # Offloaded weights / optimizer state come to the device for the update and go back to
             # host through the output shardings.
             params, opt_state = to_device(params), to_device(opt_state)
