@@ -9,6 +9,8 @@ and policies; compile time vs microbatches; and what one tick of the compiled st
         # each variant split, with and without hand_recomputed, in the same rounds (results/overhead_hand.json)
     python benchmarks/overhead.py --split-backward --tensor 2 --schedules zbv,chronos --microbatches 8 --json
         # the same with a tensor axis: P=4 x T=2 on 8 devices (results/overhead_split_tensor.json)
+    python benchmarks/overhead.py --d-model 256 --schedules 1f1b,zbv --microbatches 8 --json
+        # a 4x wider tiny GPT: the executor's per-kernel cost against more arithmetic per kernel
 
 Measured in one process on virtual CPU devices (P=4 on 4 devices): every pipelined step against the
 plain ``jax.jit(value_and_grad + Adam)`` step on the SAME 4 devices (data parallel: the batch split
@@ -55,13 +57,14 @@ def time_steps(fn, state, batches, steps):
     return state, float(np.median(times))
 
 
-def plain_step(config_name, batch, seq, seed=0, devices=4, layers=None):
+def plain_step(config_name, batch, seq, seed=0, devices=4, layers=None, **overrides):
     """The plain jitted train step, data parallel over ``devices`` (1: a single device), compiled:
-    ``(compiled, run, state, a batch, compile seconds)`` with ``run(state, batch) -> state``."""
+    ``(compiled, run, state, a batch, compile seconds)`` with ``run(state, batch) -> state``;
+    ``overrides``: config fields of the model (``d_model``)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    model = get_model(config_name, n_layers=layers or LAYERS)
+    model = get_model(config_name, n_layers=layers or LAYERS, **overrides)
     optimizer = optax.adam(3e-3)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))  # auto sharding, as the pipeline's
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -175,11 +178,21 @@ def main(argv=None):
         default=1,
         help="tensor devices per pipe rank (the plain step then runs data parallel over all 4 x T devices)",
     )
+    parser.add_argument(
+        "--d-model",
+        type=int,
+        default=64,
+        help="width of the tiny GPT (default 64, the tiny preset's): wider layers carry more arithmetic per "
+        "kernel, so the executor's per-kernel cost weighs less",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         parser.error(f"--steps and --rounds must be at least 1, got {args.steps} and {args.rounds}")
-    B, T, model = args.batch_size, args.seq_len, get_model("tiny", n_layers=LAYERS)
+    if args.d_model < 4 or args.d_model % 4:
+        parser.error(f"--d-model must be a positive multiple of the tiny GPT's 4 heads, got {args.d_model}")
+    width = {"d_model": args.d_model}
+    B, T, model = args.batch_size, args.seq_len, get_model("tiny", n_layers=LAYERS, **width)
 
     if args.profile:
         compiled, *_ = pipelined_program(8, B, T, policy=args.policy, model=model)
@@ -191,7 +204,8 @@ def main(argv=None):
     # The plain step stays compiled and is timed again in every round, beside the variants: the
     # machine's speed drifts by up to a third between runs here, and a ratio of timings made minutes
     # apart carries that drift.
-    _, plain_run, plain_state, plain_batches, plain4_compile = plain_step("tiny", B, T, devices=4 * args.tensor)
+    plain = plain_step("tiny", B, T, devices=4 * args.tensor, **width)
+    _, plain_run, plain_state, plain_batches, plain4_compile = plain
     plain_state, _ = time_steps(plain_run, plain_state, plain_batches, 2)  # warm up
     plain_rounds = []
     rows = []
@@ -261,7 +275,7 @@ def main(argv=None):
     record = {
         "benchmark": "overhead",
         "command": "python benchmarks/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": f"tiny, {LAYERS} layers",
+        "model": f"tiny, {LAYERS} layers, d_model {args.d_model}",
         "batch_size": B,
         "seq_len": T,
         "pipe": 4,

@@ -244,6 +244,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=DEFAULT, help=f"comma-separated; default {DEFAULT}")
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the tiny GPT (default {LAYERS})")
+    parser.add_argument("--d-model", type=int, default=64, help="width of the tiny GPT (default 64, the preset's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (and 3 traced)")
     parser.add_argument(
         "--top",
@@ -254,8 +255,11 @@ def main(argv=None):
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.layers < 4 or args.top < 0:
-        parser.error("--steps must be at least 1, --layers at least 4 (one per stage at P=4), --top at least 0")
+    if args.steps < 1 or args.layers < 4 or args.top < 0 or args.d_model < 4 or args.d_model % 4:
+        parser.error(
+            "--steps must be at least 1, --layers at least 4 (one per stage at P=4), --top at least 0, --d-model a "
+            "positive multiple of the tiny GPT's 4 heads"
+        )
     variants = [parse_variant(v) for v in args.variants.split(",")]  # a bad one fails before any work
     probe = wait_probe()
     print(
@@ -267,11 +271,11 @@ def main(argv=None):
     cores, rows, plain_cpu = os.cpu_count() or 1, [], None
     for variant in variants:
         if variant is None:
-            compiled, run, state, batches, _ = plain_step("tiny", 64, 64, layers=args.layers)
+            compiled, run, state, batches, _ = plain_step("tiny", 64, 64, layers=args.layers, d_model=args.d_model)
             label, batch = "plain, data parallel 4", batches[0]
         else:
             schedule, policy, m, split = variant
-            model = get_model("tiny", n_layers=args.layers)
+            model = get_model("tiny", n_layers=args.layers, d_model=args.d_model)
             compiled, run, state, batches, _ = pipelined_program(m, 64, 64, schedule, 4, policy, model, split)
             batch = batches[0]
             label = f"{schedule} M={m} {policy}" + (" split" if split else "")
@@ -318,7 +322,7 @@ def main(argv=None):
     record = {
         "benchmark": "thunk_time",
         "command": "python benchmarks/thunk_time.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": f"tiny, {args.layers} layers",
+        "model": f"tiny, {args.layers} layers, d_model {args.d_model}",
         "batch_size": 64,
         "seq_len": 64,
         "pipe": 4,

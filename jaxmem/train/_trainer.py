@@ -96,7 +96,10 @@ class Trainer:
         devices: the devices to build the mesh from (default: all).
         optimizer: an optax transformation (default :func:`make_optimizer` of the config: Adam or
             AdamW, warmup and cosine, clipping). Its state follows the parameters' layout and dtype
-            (float32 master weights keep float32 moments).
+            (float32 master weights keep float32 moments). The default updates stages whose weights
+            or optimizer state the policy keeps on host one layer at a time
+            (:mod:`jaxmem.train._update`); one given here may not be elementwise, so its update brings
+            them to the device whole, beyond the ledger's figure.
         corpus: the training data (default: what ``config.data`` / ``config.tokenizer`` name, with
             the ``eval_fraction`` held out); its tokenizer sets a preset model's vocabulary.
         samples: instead of a token corpus, the samples of a model with a batch of its own (a
