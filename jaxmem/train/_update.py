@@ -4,10 +4,11 @@ A stage whose optimizer state (or weights) the policy keeps on host is updated o
 a loop over the stage's layer axis fetches the layer's master weights and optimizer state to the
 device, runs the update on that slice, and writes the result back to host, so the device holds one
 layer's state during the update instead of the whole rank's. XLA sees the fetch and the write-back
-as ``device_put``\\ s to a memory space around a dynamic slice of the host buffer, the same pattern
-its host offloader takes for activations offloaded from a scanned loop; it may overlap one layer's
-transfers with the next one's update. Everything else -- the device-resident stages, the shared
-leaves, the optimizer's counters -- is updated at once, as before.
+as ``device_put``\\ s to a memory space around a dynamic slice of the host buffer, the pattern of
+activations offloaded from a scanned loop; it may overlap one layer's transfers with the next one's
+update. (Only the lowering is checked here, on CPU: no GPU compile has seen this loop.) Everything
+else -- the device-resident stages, the shared leaves, the optimizer's counters -- is updated at
+once, as before.
 
 Streaming slices the optimizer's per-parameter state, so it holds only for an update that is
 elementwise given the gradients: jaxmem's own optimizers (:func:`~jaxmem.train.make_optimizer`:
