@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.pipeline import LeafPlacement, PipelineParams
+from jaxmem.pipeline import PipelineParams
+from jaxmem.pipeline._placement import _is_placement
 from jaxmem.train._state import on_host, to_device
 
 __all__ = ["streamed_groups", "streamed_update"]
@@ -34,10 +35,6 @@ NOT_A_PARAM = -2  # role of an optimizer-state leaf that is not shaped like a pa
 
 def _space(x):
     return jax.memory.Space.Host if on_host(x) else jax.memory.Space.Device
-
-
-def _is_placement(p) -> bool:
-    return isinstance(p, LeafPlacement)
 
 
 def streamed_groups(placement, streamed) -> PipelineParams:
