@@ -18,6 +18,7 @@ from jaxmem.pipeline._placement import MESH_AXES as MESH_AXES
 from jaxmem.pipeline._placement import TENSOR as TENSOR
 from jaxmem.pipeline._placement import LeafPlacement as LeafPlacement
 from jaxmem.pipeline._placement import Placement as Placement
+from jaxmem.pipeline._placement import is_placement as is_placement
 from jaxmem.pipeline._placement import layout_axes as layout_axes
 from jaxmem.pipeline._placement import place_leaf as place_leaf
 from jaxmem.pipeline._placement import placement_of as placement_of

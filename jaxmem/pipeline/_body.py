@@ -27,7 +27,7 @@ from jaxmem.models import microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
 from jaxmem.pipeline._cut import CutArena, as_rows
 from jaxmem.pipeline._iw import TRANSFER_SPACE, StageSplit, stage_split
-from jaxmem.pipeline._placement import AXES, LeafPlacement, _is_placement
+from jaxmem.pipeline._placement import AXES, LeafPlacement, is_placement
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage
 from jaxmem.pipeline._split import vocab_size as _vocab_size
 from jaxmem.pipeline._ticks import COLUMNS, StageClass, stash_cut, stash_rows
@@ -153,9 +153,9 @@ class StepBody:
             table = np.concatenate([table, prefetch_columns(table, self.col, self.host_stages)], axis=-1)
             self.col["prefetch"], self.col["prefetch_first"] = table.shape[-1] - 2, table.shape[-1] - 1
         self.table = jnp.asarray(table.astype(np.int32))
-        self.stage_places = [jax.tree.leaves(t, is_leaf=_is_placement) for t in placement.stages]
-        self.shared_places = jax.tree.leaves(placement.shared, is_leaf=_is_placement)
-        self.vocab_places = jax.tree.leaves(placement.vocab, is_leaf=_is_placement)
+        self.stage_places = [jax.tree.leaves(t, is_leaf=is_placement) for t in placement.stages]
+        self.shared_places = jax.tree.leaves(placement.shared, is_leaf=is_placement)
+        self.vocab_places = jax.tree.leaves(placement.vocab, is_leaf=is_placement)
         self.shared_treedef = jax.tree.structure(self.abstract.shared)
         # With a tensor axis the device arenas are cut over it, ``[tensor, rows]``: a residual the
         # stage computes cut stays each device's share, the others are kept whole on every device

@@ -37,7 +37,7 @@ from jaxmem.pipeline._placement import (
     TENSOR,
     LeafPlacement,
     Placement,
-    _is_placement,
+    is_placement,
     layout_axes,
     placement_of,
 )
@@ -358,7 +358,7 @@ class Pipeline:
         total = 0.0
         for v, keep in enumerate(self.kept_gathered):
             if keep:
-                places = jax.tree.leaves(self.placement.stages[v], is_leaf=_is_placement)
+                places = jax.tree.leaves(self.placement.stages[v], is_leaf=is_placement)
                 for a, p in zip(jax.tree.leaves(abstract.stages[v]), places, strict=True):
                     extra = p.device_elems("params", whole) - p.device_elems("params", self.sizes)
                     total += extra * jnp.dtype(a.dtype).itemsize
@@ -372,7 +372,7 @@ class Pipeline:
         for tree, places in zip(
             (abstract.stages, abstract.shared, abstract.vocab), (placement.stages, placement.shared, placement.vocab)
         ):
-            pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(places, is_leaf=_is_placement), strict=True)
+            pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(places, is_leaf=is_placement), strict=True)
             total += sum(p.device_elems(which, self.sizes) * jnp.dtype(a.dtype).itemsize for a, p in pairs)
         return float(total)
 
@@ -438,13 +438,13 @@ class Pipeline:
             return NamedSharding(self.mesh, p.spec(which), memory_kind=HOST if host else None)
 
         stages = tuple(
-            jax.tree.map(lambda p, v=v: named(p, on_host[v]), tree, is_leaf=_is_placement)
+            jax.tree.map(lambda p, v=v: named(p, on_host[v]), tree, is_leaf=is_placement)
             for v, tree in enumerate(placement.stages)
         )
         return PipelineParams(
             stages=stages,
-            shared=jax.tree.map(named, placement.shared, is_leaf=_is_placement),
-            vocab=jax.tree.map(named, placement.vocab, is_leaf=_is_placement),
+            shared=jax.tree.map(named, placement.shared, is_leaf=is_placement),
+            vocab=jax.tree.map(named, placement.vocab, is_leaf=is_placement),
         )
 
     def shardings(self, on_host: Sequence[bool] | None = None) -> PipelineParams:
@@ -695,7 +695,7 @@ class Pipeline:
         placement, abstract = self.placement, body.abstract
 
         def specs(tree, which):
-            return jax.tree.map(lambda p: p.spec(which, manual=True), tree, is_leaf=_is_placement)
+            return jax.tree.map(lambda p: p.spec(which, manual=True), tree, is_leaf=is_placement)
 
         # Manual over data, fsdp and pipe; a tensor axis is left to XLA's partitioner, which runs
         # each stage's math split the way the parameters' tensor cuts say. Without one (tensor=1) the

@@ -194,7 +194,7 @@ class Placement:
     def leaves(self) -> list[LeafPlacement]:
         import jax
 
-        return jax.tree.leaves((self.stages, self.shared, self.vocab), is_leaf=_is_placement)
+        return jax.tree.leaves((self.stages, self.shared, self.vocab), is_leaf=is_placement)
 
     def device_bytes(self, abstract, which: str) -> float:
         """Per-device bytes of a tree shaped like the parameters (``abstract``, a PipelineParams of
@@ -229,7 +229,7 @@ def layout_axes(model, virtual: int, vocab: bool):
     return PipelineParams(stages=(per_layer,) * virtual, shared=shared, vocab=tables)
 
 
-def _is_placement(x) -> bool:
+def is_placement(x) -> bool:
     return isinstance(x, LeafPlacement)
 
 

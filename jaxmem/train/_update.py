@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.pipeline import PipelineParams
-from jaxmem.pipeline._placement import _is_placement
+from jaxmem.pipeline import PipelineParams, is_placement
 from jaxmem.train._state import on_host, to_device
 
 __all__ = ["streamed_groups", "streamed_update"]
@@ -55,14 +54,14 @@ def streamed_groups(placement, streamed) -> PipelineParams:
                 jax.tree.map(
                     lambda p, g=gid: DEVICE if p.params[1] or p.state[1] else g,
                     family,
-                    is_leaf=_is_placement,
+                    is_leaf=is_placement,
                 )
             )
         stages.append(tuple(roles) if isinstance(tree, tuple) else roles[0])
     return PipelineParams(
         stages=tuple(stages),
-        shared=jax.tree.map(lambda _: DEVICE, placement.shared, is_leaf=_is_placement),
-        vocab=jax.tree.map(lambda _: DEVICE, placement.vocab, is_leaf=_is_placement),
+        shared=jax.tree.map(lambda _: DEVICE, placement.shared, is_leaf=is_placement),
+        vocab=jax.tree.map(lambda _: DEVICE, placement.vocab, is_leaf=is_placement),
     )
 
 
