@@ -281,6 +281,37 @@ def test_gpt_closed_form_equals_the_traced_residuals(policy):
         assert 0.88 < a.backward_flops / t.backward_flops <= 1.0
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_a_deep_preset_is_its_one_layer_model_repeated(name, monkeypatch):
+    """Planners build a preset at many depths; each is the one-layer model's layer repeated, with
+    the same abstract parameters, axes, initial values and loss as the model built whole, and no
+    layer constructor run until the parameters are made."""
+    from jaxmem.models import get_config, gpt, llama
+    from jaxmem.models.gpt import Block
+    from jaxmem.models.llama import LlamaBlock
+
+    block = Block if name == "tiny" else LlamaBlock
+    built = []
+    original = block.__init__
+    monkeypatch.setattr(block, "__init__", lambda self, *a, **k: built.append(1) or original(self, *a, **k))
+    layers = 7  # a depth no other test asks for: the models are cached by config
+    deep = get_model(name, n_layers=layers)
+    assert len(built) <= 1  # the one-layer model, unless it was cached already
+    whole = (gpt if name == "tiny" else llama)(get_config(name, n_layers=layers), name)
+    assert len(built) > layers
+    for a, b in ((deep.abstract_params(), whole.abstract_params()), (deep.axes, whole.axes)):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        assert [repr(x) for x in jax.tree.leaves(a)] == [repr(x) for x in jax.tree.leaves(b)]
+    assert (deep.n_layers, deep.config, deep.analytic is None) == (whole.n_layers, whole.config, whole.analytic is None)
+    params = deep.init(0)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(whole.init(0)), strict=True):
+        np.testing.assert_array_equal(x, y)
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16) % 97
+    batch = make_batch(tokens, (tokens + 1) % 97)
+    assert float(deep.loss(params, batch)) == float(whole.loss(params, batch))
+    assert deep.logits(params, batch).shape == (2, 16, deep.vocab_size)
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "tiny"])
 def test_layers_beyond_two_extrapolate_exactly(name):
     model = get_model(name, n_layers=5, max_seq_len=32)

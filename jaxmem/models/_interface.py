@@ -764,3 +764,41 @@ def from_nnx(
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(params))
         object.__setattr__(staged, "_abstract_params", abstract_params)
     return staged
+
+
+def repeated_layers(shallow: StagedModel, full: Callable[[], StagedModel], n_layers: int, **fields) -> StagedModel:
+    """A model of ``n_layers`` identical layers from ``shallow``, the same model built with fewer:
+    its abstract parameters and axes repeat the shallow model's first layer, and what needs the
+    whole module -- ``init``, ``loss``, ``logits`` -- builds it with ``full()`` when first called.
+
+    Building a Flax module traces every layer's constructor: the gpt2-xl preset at 400 layers took
+    18 s to build, the same at one layer a few tenths, so a planner that scores many depths builds
+    each by repetition. ``fields``: other :class:`StagedModel` fields of the deep model (``config``,
+    ``analytic``). ``shallow`` must be of one kind and one family (every layer alike).
+
+    >>> from jaxmem.models import gpt, get_config
+    >>> one, four = gpt(get_config("tiny", n_layers=1)), gpt(get_config("tiny", n_layers=4))
+    >>> deep = repeated_layers(one, lambda: four, 4)
+    >>> deep.n_layers, jax.tree.structure(deep.abstract_params()) == jax.tree.structure(four.abstract_params())
+    (4, True)
+    """
+    if shallow.layer_kinds is not None or shallow.layer_families is not None:
+        raise JaxmemError(f"model {shallow.name!r}: repeated_layers needs layers all alike (one kind and one family)")
+    full = functools.cache(full)
+    layers, shared = shallow.split(shallow.abstract_params())
+    abstract = shallow.join([layers[0]] * n_layers, shared)
+    axes = shallow.axes
+    if axes is not None:
+        layer_axes, shared_axes = shallow.split(axes)
+        axes = shallow.join([layer_axes[0]] * n_layers, shared_axes)
+    deep = dataclasses.replace(
+        shallow,
+        n_layers=n_layers,
+        init=lambda seed: full().init(seed),
+        loss=None if shallow.loss is None else lambda params, batch: full().loss(params, batch),
+        logits=None if shallow.logits is None else lambda params, batch: full().logits(params, batch),
+        axes=axes,
+        **fields,
+    )
+    object.__setattr__(deep, "_abstract_params", abstract)
+    return deep
