@@ -785,12 +785,12 @@ def repeated_layers(shallow: StagedModel, full: Callable[[], StagedModel], n_lay
     if shallow.layer_kinds is not None or shallow.layer_families is not None:
         raise JaxmemError(f"model {shallow.name!r}: repeated_layers needs layers all alike (one kind and one family)")
     full = functools.cache(full)
-    layers, shared = shallow.split(shallow.abstract_params())
-    abstract = shallow.join([layers[0]] * n_layers, shared)
-    axes = shallow.axes
-    if axes is not None:
-        layer_axes, shared_axes = shallow.split(axes)
-        axes = shallow.join([layer_axes[0]] * n_layers, shared_axes)
+
+    def repeat(tree):  # a tree shaped like the shallow model's parameters, its first layer n_layers times
+        layers, shared = shallow.split(tree)
+        return shallow.join([layers[0]] * n_layers, shared)
+
+    axes = None if shallow.axes is None else repeat(shallow.axes)
     deep = dataclasses.replace(
         shallow,
         n_layers=n_layers,
@@ -800,5 +800,5 @@ def repeated_layers(shallow: StagedModel, full: Callable[[], StagedModel], n_lay
         axes=axes,
         **fields,
     )
-    object.__setattr__(deep, "_abstract_params", abstract)
+    object.__setattr__(deep, "_abstract_params", repeat(shallow.abstract_params()))
     return deep
