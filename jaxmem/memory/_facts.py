@@ -31,6 +31,7 @@ model carries it (``StagedModel.analytic``); tests check it against the traced f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import numpy as np
@@ -648,11 +649,11 @@ class ModelFacts:
     def _traced(self, first, last, fams, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.policy import PRESETS
 
-        plan, stage, x = self._traced_plan(first, last, fams, policy, seq, vocab)
+        plan = self._traced_plan(first, last, fams, policy, seq, vocab)[0]
         save_all = PRESETS["save-all"].bind(self.model.tags)
         full_plan = plan if policy == save_all else self._traced_plan(first, last, fams, save_all, seq, vocab)[0]
-        forward, backward = self._flops(plan, stage, x, seq, vocab)
-        full_backward = backward if full_plan is plan else self._flops(full_plan, stage, x, seq, vocab)[1]
+        forward, backward = self._flops(first, last, fams, policy, seq, vocab)
+        full_backward = self._flops(first, last, fams, save_all, seq, vocab)[1]
         return StageFacts(
             {k: v for k, v in plan.stash_elems.items() if v},
             float(full_plan.stash_bytes()),
@@ -787,16 +788,23 @@ class ModelFacts:
         shared = jax.tree.map(lambda a, ax: placed(a, ax, 0), shared, layout_axes(self.model, 1, vocab).shared)
         return stage, shared
 
-    def _flops(self, plan, stage, x, seq, vocab=False) -> tuple[float, float]:
-        """``cost_analysis()`` FLOPs of the lowered forward and pullback of a traced stage."""
-        import jax
-        from jax.extend.core import jaxpr_as_fun
+    def _flops(self, first, last, fams, policy, seq, vocab=False) -> tuple[float, float]:
+        """``cost_analysis()`` FLOPs of the lowered forward and pullback of a traced stage, once per
+        stage and policy (every policy's facts read save-all's pullback too), shared between depths
+        as the working sets are."""
+        key = ("flops", first, last, fams, policy, seq, vocab)
+        cache = self._stage_cache
+        if key not in cache:
+            import jax
+            from jax.extend.core import jaxpr_as_fun
 
-        batch = self.batch(1, seq)
-        shared = self._stage_shared(vocab)
-        flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
-        forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
-        return forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
+            plan, stage, x = self._traced_plan(first, last, fams, policy, seq, vocab)
+            batch = self.batch(1, seq)
+            shared = self._stage_shared(vocab)
+            flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
+            forward = _cost_flops(jax.jit(jaxpr_as_fun(plan.closed)).lower(*flat))
+            cache[key] = forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
+        return cache[key]
 
 
 def _mixed(parts) -> dict:
@@ -821,6 +829,7 @@ def _stacked(family_layers, rows, ranks):
     return tuple(stack(layer, n) for layer, n in zip(family_layers, rows))
 
 
+@functools.lru_cache(maxsize=4096)  # the ledger asks for every part of every stage it prices
 def _stage_only(policy):
     """A bound stage policy without the settings that do not change a stage's residuals, FLOPs or
     temporaries -- where its weights and optimizer state live, whether FSDP keeps its weights

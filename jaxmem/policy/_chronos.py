@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxmem.policy._policy import PRESETS, Policy
+from jaxmem.policy._policy import PRESETS, Policy, StagePolicy
 from jaxmem.schedule import simulate
 
 __all__ = ["MOVE_SPECS", "ChronosChoice", "Move", "chronos_policy", "peak_order", "reuse_distances"]
@@ -217,28 +217,30 @@ def chronos_policy(
     flags = {"offload-optimizer-state": False, "offload-weights": False}
     applied: dict[str, int] = {}
 
+    cell_policies: dict[tuple, StagePolicy] = {}  # one per distinct (level, state, layers): built once
+
+    def cell_policy(level, optimizer_on_host: bool, weights_on_host: bool, k: int) -> StagePolicy:
+        key = (level, optimizer_on_host, weights_on_host, k)
+        if key not in cell_policies:
+            cell_policies[key] = dataclasses.replace(
+                CELL_POLICIES.get(level, SAVE),
+                offload_optimizer_state=optimizer_on_host,
+                offload_weights=weights_on_host,
+                recompute_layers=k,
+            )
+        return cell_policies[key]
+
     def build(levels: dict, state: dict, recomputed=None) -> Policy:
         recomputed = cell_layers if recomputed is None else recomputed
-        stage_base = dataclasses.replace(
-            SAVE, offload_optimizer_state=state["offload-optimizer-state"], offload_weights=state["offload-weights"]
-        )
+        on_host = state["offload-optimizer-state"], state["offload-weights"]
+        stage_base = cell_policy(None, *on_host, 0)
         stages = tuple((s, stage_base) for s in range(schedule.num_stages)) if stage_base != SAVE else ()
-        cells = tuple(
-            sorted(
-                (
-                    s,
-                    m,
-                    dataclasses.replace(
-                        CELL_POLICIES.get(levels.get((s, m)), SAVE),
-                        offload_optimizer_state=state["offload-optimizer-state"],
-                        offload_weights=state["offload-weights"],
-                        recompute_layers=recomputed.get((s, m), 0) if levels.get((s, m)) != "recompute-all" else 0,
-                    ),
-                )
-                for s, m in set(levels) | set(recomputed)
-            )
-        )
-        return Policy(default=SAVE, stages=stages, cells=cells, name=name)
+        cells = []
+        for s, m in sorted(set(levels) | set(recomputed)):
+            level = levels.get((s, m))
+            k = recomputed.get((s, m), 0) if level != "recompute-all" else 0
+            cells.append((s, m, cell_policy(level, *on_host, k)))
+        return Policy(default=SAVE, stages=stages, cells=tuple(cells), name=name)
 
     def choice(fits: bool) -> ChronosChoice:
         policy = build(cell_level, flags)

@@ -453,13 +453,18 @@ class ResolvedPolicy:
         return self.variants[self.variant_of[(stage, microbatch)]]
 
     def _stage_flag(self, stage: int, flag: str) -> bool:
-        values = {getattr(self.stage_policy(stage, m), flag) for m in range(self.num_microbatches)}
-        if len(values) > 1:
-            raise PolicyError(
-                f"{flag} differs between microbatches of stage {stage}; weights and optimizer state are "
-                "per stage, so set it per stage"
-            )
-        return values.pop()
+        # Read once per stage and flag: the ledger asks for every stage of every prediction, and a
+        # planner predicts thousands of policies over schedules of hundreds of microbatches.
+        flags = self.__dict__.setdefault("_flags", {})  # not a field: equality and hashing ignore it
+        if (stage, flag) not in flags:
+            values = {getattr(self.stage_policy(stage, m), flag) for m in range(self.num_microbatches)}
+            if len(values) > 1:
+                raise PolicyError(
+                    f"{flag} differs between microbatches of stage {stage}; weights and optimizer state are "
+                    "per stage, so set it per stage"
+                )
+            flags[(stage, flag)] = values.pop()
+        return flags[(stage, flag)]
 
     def offload_weights(self, stage: int) -> bool:
         return self._stage_flag(stage, "offload_weights")
