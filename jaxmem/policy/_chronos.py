@@ -194,6 +194,7 @@ def chronos_policy(
     name: str = "chronos",
     layers=None,
     live_stash: Callable[[Policy], list[float]] | None = None,
+    distances: list[tuple[float, int, int]] | None = None,
 ) -> ChronosChoice:
     """Apply memory moves, cheapest per byte first, until ``device_bytes(policy) <= budget``.
 
@@ -205,8 +206,10 @@ def chronos_policy(
         layers: each stage's layers (for ``recompute-layers``; without them that move is skipped).
         live_stash: each rank's own stash bytes under a policy (the ledger's); with it,
             ``recompute-layers`` aims at the ranks holding the most (:func:`peak_order`).
+        distances: :func:`reuse_distances` of ``schedule`` under ``costs``, when the caller has
+            them already (a planner generating several policies for one step simulates it once).
     """
-    order = reuse_distances(schedule, costs)
+    order = reuse_distances(schedule, costs) if distances is None else distances
     moves = sorted(moves, key=lambda m: m.seconds_per_byte)
     names = [m.name for m in moves]
     if "recompute-layers" in names and "recompute-all" in names:  # the finer move first

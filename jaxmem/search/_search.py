@@ -249,7 +249,7 @@ def evaluate(
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
     from jaxmem.pipeline import model_layer_counts, splits_backward
-    from jaxmem.policy import PRESETS, chronos_policy, from_spec
+    from jaxmem.policy import PRESETS, chronos_policy, from_spec, reuse_distances
 
     model = get_model(model)
     facts = model_facts(model)
@@ -306,6 +306,7 @@ def evaluate(
             return [r.live_stash_bytes for r in ledger(policy).ranks]
 
         all_moves = chronos_moves(run, CHRONOS_MOVES[policy_name], base)
+        distances = reuse_distances(schedule, base.costs)  # one simulation for every policy generated
 
         def generate(allowed, first=()):
             moves = [m if m.name not in first else dataclasses.replace(m, seconds_per_byte=-1.0) for m in all_moves]
@@ -319,6 +320,7 @@ def evaluate(
                 name=policy_name,
                 layers=counts,
                 live_stash=live_stash,
+                distances=distances,
             )
             return choice, run(choice.policy)
 
