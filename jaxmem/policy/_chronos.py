@@ -37,6 +37,7 @@ all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -220,18 +221,14 @@ def chronos_policy(
     flags = {"offload-optimizer-state": False, "offload-weights": False}
     applied: dict[str, int] = {}
 
-    cell_policies: dict[tuple, StagePolicy] = {}  # one per distinct (level, state, layers): built once
-
+    @functools.cache  # one per distinct (level, state, layers): the searches build thousands of policies
     def cell_policy(level, optimizer_on_host: bool, weights_on_host: bool, k: int) -> StagePolicy:
-        key = (level, optimizer_on_host, weights_on_host, k)
-        if key not in cell_policies:
-            cell_policies[key] = dataclasses.replace(
-                CELL_POLICIES.get(level, SAVE),
-                offload_optimizer_state=optimizer_on_host,
-                offload_weights=weights_on_host,
-                recompute_layers=k,
-            )
-        return cell_policies[key]
+        return dataclasses.replace(
+            CELL_POLICIES.get(level, SAVE),
+            offload_optimizer_state=optimizer_on_host,
+            offload_weights=weights_on_host,
+            recompute_layers=k,
+        )
 
     def build(levels: dict, state: dict, recomputed=None) -> Policy:
         recomputed = cell_layers if recomputed is None else recomputed
