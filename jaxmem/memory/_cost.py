@@ -371,9 +371,10 @@ def step_costs(
     def cell(stage: int, mb: int):
         """(recompute seconds, stash device / host bytes, forward comm, backward comm, a split W's
         comm) of one cell."""
-        sp = resolved.stage_policy(stage, mb)
-        key = (stage, sp)
+        variant = resolved.variant_of[(stage, mb)]
+        key = (stage, variant)  # the variant's index, not its policy: hashing that costs more than the rest
         if key not in cache:
+            sp = resolved.variants[variant]
             f = stage_facts(stage, sp)
             k, sums, gather = tensor_terms(stage, sp)
             redo = f.recompute_flops / f.forward_flops if f.forward_flops else 0.0

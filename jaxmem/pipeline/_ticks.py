@@ -14,6 +14,8 @@ larger residuals -- pack together. The arena every rank allocates is the largest
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 
 import numpy as np
 
@@ -205,8 +207,112 @@ def _peak_live(intervals: list[tuple[int, int, object]]) -> int:
 
 def _assign_offsets(items: list[tuple[int, int, object, int]]) -> tuple[dict, int]:
     """Arena offsets for stash items ``(produced, consumed, key, size)`` with half-open lifetimes
-    ``(produced, consumed]`` (written at the end of tick ``produced``, last read at ``consumed``)."""
-    return assign_offsets([(p + 1, q, key, size) for p, q, key, size in items])
+    ``(produced, consumed]`` (written at the end of tick ``produced``, last read at ``consumed``).
+    The result is shared between equal calls: read it, do not change it."""
+    return _rank_layout(tuple(items))
+
+
+@functools.lru_cache(maxsize=4096)  # a planner's searches lay out the same rank's items many times
+def _rank_layout(items: tuple) -> tuple[dict, int]:
+    offsets, length = assign_offsets([(p + 1, q, key, size) for p, q, key, size in items])
+    return types.MappingProxyType(offsets), length
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lifetimes:
+    """What lowering a schedule needs that depends on the schedule alone (not on the stage
+    classes): the lockstep ticks' message lifetimes and slots, and every stashed item's lifetime."""
+
+    num_ticks: int
+    offsets: tuple[int, ...]
+    local_stage: tuple[int, ...]
+    uneven: tuple[tuple[int, int], ...]  # (rank, stages) when ranks own different numbers of stages
+    act_slot: types.MappingProxyType
+    grad_slot: types.MappingProxyType
+    act_slots: int
+    grad_slots: int
+    stash: tuple[tuple[int, int, int, tuple[int, int]], ...]  # (rank, produced, last use, (stage, mb))
+    transfers: tuple[tuple[int, int, int, tuple], ...]  # (rank, I's tick, W's tick, ("I->W", stage, mb))
+    cell_kinds: tuple[tuple[tuple[int, int], frozenset], ...]  # per (stage, mb), the kinds it runs
+    vocab_ticks: np.ndarray
+
+
+@functools.lru_cache(maxsize=256)
+def _lifetimes(schedule: Schedule, head_grads: bool) -> _Lifetimes:
+    validate(schedule)
+    num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
+    per_rank = [schedule.stages_of(r) for r in range(num_ranks)]
+    uneven = tuple((r, len(s)) for r, s in enumerate(per_rank)) if len({len(s) for s in per_rank}) != 1 else ()
+    local_stage = [0] * num_stages
+    for stages in per_rank:
+        for v, s in enumerate(stages):
+            local_stage[s] = v
+
+    ticks = lockstep_ticks(schedule)
+    num_ticks = 1 + max(ticks.values())
+    rank_of = schedule.stage_to_rank
+    present = set(ticks)
+    tick_of = {(a.stage, a.kind, a.microbatch): t for a, t in ticks.items()}  # no Action built per lookup
+    split = {(a.stage, a.microbatch) for a in present if a.kind is Kind.I}
+
+    def last_use(stage: int, mb: int) -> int:
+        return tick_of[(stage, Kind.W if (stage, mb) in split else Kind.B, mb)]
+
+    hops = {(rank_of[s + 1] - rank_of[s]) % num_ranks for s in range(num_stages - 1)}
+    offsets = sorted((hops | {(-h) % num_ranks for h in hops}) - {0})
+
+    # Lifetimes per rank: activations (F(s-1) -> F(s)), gradients (I/B(s+1) -> last use of s), stash.
+    act_items = {r: [] for r in range(num_ranks)}
+    grad_items = {r: [] for r in range(num_ranks)}
+    stash, transfers, cell_kinds = [], [], {}
+    for a in present:
+        s, m = a.stage, a.microbatch
+        cell_kinds.setdefault((s, m), set()).add(a.kind)
+        if a.kind is Kind.F:
+            if s > 0:
+                act_items[rank_of[s]].append((tick_of[(s - 1, Kind.F, m)], ticks[a], (s, m)))
+            if not schedule.forward_only:  # nothing is kept for a backward that never runs
+                stash.append((rank_of[s], ticks[a], last_use(s, m), (s, m)))
+        elif a.kind in (Kind.B, Kind.I) and s > 0:
+            grad_items[rank_of[s - 1]].append((ticks[a], last_use(s - 1, m), (s - 1, m)))
+        if a.kind is Kind.I:
+            transfers.append((rank_of[s], ticks[a], last_use(s, m), ("I->W", s, m)))
+        if head_grads and a.kind is Kind.F and s == num_stages - 1 and not schedule.forward_only:
+            grad_items[rank_of[s]].append((ticks[a], last_use(s, m), (s, m)))
+
+    act_slot, grad_slot = {}, {}
+    act_slots = grad_slots = 0
+    for r in range(num_ranks):
+        slots, n = _color_intervals(act_items[r])
+        act_slot.update({(r, k): v for k, v in slots.items()})
+        act_slots = max(act_slots, n)
+        slots, n = _color_intervals(grad_items[r])
+        grad_slot.update({(r, k): v for k, v in slots.items()})
+        grad_slots = max(grad_slots, n)
+
+    vocab_ticks = np.full((num_ticks, 3), -1, np.int64)
+    for a, t in ticks.items():
+        if a.stage == 0 and a.kind is Kind.F:
+            vocab_ticks[t, 0] = a.microbatch
+        if a.stage == 0 and a.kind in (Kind.B, Kind.I):
+            vocab_ticks[t, 1] = a.microbatch
+        if a.stage == num_stages - 1 and a.kind is Kind.F:
+            vocab_ticks[t, 2] = a.microbatch
+    vocab_ticks.setflags(write=False)  # shared by every program lowered from this schedule
+    return _Lifetimes(
+        num_ticks=num_ticks,
+        offsets=tuple(offsets),
+        local_stage=tuple(local_stage),
+        uneven=uneven,
+        act_slot=types.MappingProxyType(act_slot),
+        grad_slot=types.MappingProxyType(grad_slot),
+        act_slots=act_slots,
+        grad_slots=grad_slots,
+        stash=tuple(stash),
+        transfers=tuple(transfers),
+        cell_kinds=tuple((cell, frozenset(kinds)) for cell, kinds in cell_kinds.items()),
+        vocab_ticks=vocab_ticks,
+    )
 
 
 def build_tick_program(
@@ -234,21 +340,18 @@ def build_tick_program(
         transfer_elems: per class, elements its I hands its W per arena (the split backward,
             :mod:`jaxmem.pipeline._iw`): each lives in the arenas from the I's tick to the W's.
     """
-    validate(schedule)
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
+    life = _lifetimes(schedule, head_grads)  # validates the schedule
     missing = [
         (st, m) for st in range(num_stages) for m in range(schedule.num_microbatches) if (st, m) not in cell_classes
     ]
     if missing:
         raise ScheduleError(f"no stage class for (stage, microbatch) {missing[:4]}")
-    per_rank = [schedule.stages_of(r) for r in range(num_ranks)]
-    if len({len(s) for s in per_rank}) != 1:
-        counts = {r: len(s) for r, s in enumerate(per_rank)}
-        raise ScheduleError(f"every rank must own the same number of stages for one SPMD program; got {counts}")
-    local_stage = [0] * num_stages
-    for stages in per_rank:
-        for v, s in enumerate(stages):
-            local_stage[s] = v
+    if life.uneven:
+        raise ScheduleError(
+            f"every rank must own the same number of stages for one SPMD program; got {dict(life.uneven)}"
+        )
+    local_stage = life.local_stage
 
     index_of: dict[StageClass, int] = {}  # classes in order of first appearance
     cell_class: dict[tuple[int, int], int] = {}
@@ -256,47 +359,14 @@ def build_tick_program(
         cell_class[key] = index_of.setdefault(cell_classes[key], len(index_of))
     classes = list(index_of)
 
-    ticks = lockstep_ticks(schedule)
-    num_ticks = 1 + max(ticks.values())
-    rank_of = schedule.stage_to_rank
-    present = set(ticks)
-    tick_of = {(a.stage, a.kind, a.microbatch): t for a, t in ticks.items()}  # no Action built per lookup
-    split = {(a.stage, a.microbatch) for a in present if a.kind is Kind.I}
-
-    def last_use(stage: int, mb: int) -> int:
-        return tick_of[(stage, Kind.W if (stage, mb) in split else Kind.B, mb)]
-
-    hops = {(rank_of[s + 1] - rank_of[s]) % num_ranks for s in range(num_stages - 1)}
-    offsets = sorted((hops | {(-h) % num_ranks for h in hops}) - {0})
-
-    # Lifetimes per rank: activations (F(s-1) -> F(s)), gradients (I/B(s+1) -> last use of s), stash.
-    act_items = {r: [] for r in range(num_ranks)}
-    grad_items = {r: [] for r in range(num_ranks)}
+    num_ticks, offsets = life.num_ticks, life.offsets
     stash_items = {(r, c): [] for r in range(num_ranks) for c in range(len(classes))}
     transfer_items = {(r, c): [] for r in range(num_ranks) for c in range(len(classes))}
-    for a in present:
-        s, m = a.stage, a.microbatch
-        if a.kind is Kind.F:
-            if s > 0:
-                act_items[rank_of[s]].append((tick_of[(s - 1, Kind.F, m)], ticks[a], (s, m)))
-            if not schedule.forward_only:  # nothing is kept for a backward that never runs
-                stash_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), (s, m)))
-        elif a.kind in (Kind.B, Kind.I) and s > 0:
-            grad_items[rank_of[s - 1]].append((ticks[a], last_use(s - 1, m), (s - 1, m)))
-        if a.kind is Kind.I:
-            transfer_items[(rank_of[s], cell_class[(s, m)])].append((ticks[a], last_use(s, m), ("I->W", s, m)))
-        if head_grads and a.kind is Kind.F and s == num_stages - 1 and not schedule.forward_only:
-            grad_items[rank_of[s]].append((ticks[a], last_use(s, m), (s, m)))
-
-    act_slot, grad_slot = {}, {}
-    act_slots = grad_slots = 0
-    for r in range(num_ranks):
-        slots, n = _color_intervals(act_items[r])
-        act_slot.update({(r, k): v for k, v in slots.items()})
-        act_slots = max(act_slots, n)
-        slots, n = _color_intervals(grad_items[r])
-        grad_slot.update({(r, k): v for k, v in slots.items()})
-        grad_slots = max(grad_slots, n)
+    for r, p, q, cell in life.stash:
+        stash_items[(r, cell_class[cell])].append((p, q, cell))
+    for r, p, q, cell in life.transfers:
+        transfer_items[(r, cell_class[cell[1:]])].append((p, q, cell))
+    act_slot, grad_slot, act_slots, grad_slots = life.act_slot, life.grad_slot, life.act_slots, life.grad_slots
     stash_live = [[_peak_live(stash_items[(r, c)]) for r in range(num_ranks)] for c in range(len(classes))]
     if stash_elems is None:
         stash_elems = {c: {("float32", "device"): 1} for c in classes}
@@ -325,20 +395,10 @@ def build_tick_program(
             need = max(need, length)
         arena.append(need)
 
-    vocab_ticks = np.full((num_ticks, 3), -1, np.int64)
-    for a, t in ticks.items():
-        if a.stage == 0 and a.kind is Kind.F:
-            vocab_ticks[t, 0] = a.microbatch
-        if a.stage == 0 and a.kind in (Kind.B, Kind.I):
-            vocab_ticks[t, 1] = a.microbatch
-        if a.stage == num_stages - 1 and a.kind is Kind.F:
-            vocab_ticks[t, 2] = a.microbatch
-
-    branches: list[tuple[int, Kind]] = []
-    for a in sorted(present, key=lambda a: (cell_class[(a.stage, a.microbatch)], KINDS.index(a.kind))):
-        key = (cell_class[(a.stage, a.microbatch)], a.kind)
-        if key not in branches:
-            branches.append(key)
+    vocab_ticks = life.vocab_ticks
+    # Every distinct (class, kind), in order of class, then kind.
+    kinds = {(cell_class[cell], kind) for cell, cell_kinds in life.cell_kinds for kind in cell_kinds}
+    branches: list[tuple[int, Kind]] = sorted(kinds, key=lambda k: (k[0], KINDS.index(k[1])))
 
     program = TickProgram(
         schedule=schedule,

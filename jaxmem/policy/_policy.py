@@ -394,6 +394,9 @@ class Policy:
         for stage, mb, sp in self.cells:
             bind(sp, f"policy {self.name!r}, cell ({stage}, {mb})")
         by_stage = dict(self.stages)
+        # Looked up by identity first: hashing a stage policy costs more than the rest of this loop,
+        # and a planner resolves thousands of policies over hundreds of cells.
+        by_id = {id(sp): bound[sp] for sp in (self.default, *by_stage.values())}
         table: dict[tuple[int, int], BoundStagePolicy] = {}
         for s in range(S):
             for m in range(M):
@@ -405,9 +408,11 @@ class Policy:
                 for stage, cls, sp in self.stage_microbatch:
                     if stage == s and (s, m) in classes[cls]:
                         chosen = sp
-                table[(s, m)] = bound[chosen]
+                table[(s, m)] = by_id[id(chosen)] if id(chosen) in by_id else bound[chosen]
         for s, m, sp in self.cells:
-            table[(s, m)] = bound[sp]
+            if id(sp) not in by_id:
+                by_id[id(sp)] = bound[sp]
+            table[(s, m)] = by_id[id(sp)]
         return ResolvedPolicy.build(self, schedule, table)
 
 
@@ -444,7 +449,13 @@ class ResolvedPolicy:
     @classmethod
     def build(cls, policy: Policy, schedule, table: Mapping[tuple[int, int], BoundStagePolicy]) -> ResolvedPolicy:
         index_of: dict[BoundStagePolicy, int] = {}  # variants in order of first appearance
-        variant_of = {key: index_of.setdefault(table[key], len(index_of)) for key in sorted(table)}
+        by_id: dict[int, int] = {}  # the same object's index without hashing it again
+        variant_of = {}
+        for key in sorted(table):
+            sp = table[key]
+            if id(sp) not in by_id:
+                by_id[id(sp)] = index_of.setdefault(sp, len(index_of))
+            variant_of[key] = by_id[id(sp)]
         resolved = cls(policy, tuple(index_of), variant_of, schedule.num_stages, schedule.num_microbatches)
         resolved._check_state_offload(schedule)
         return resolved

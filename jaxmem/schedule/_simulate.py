@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
 from collections.abc import Callable
 
 from jaxmem._errors import JaxmemError
@@ -110,7 +109,10 @@ class Costs:
         return schedule.num_ranks / schedule.num_stages
 
     def duration(self, action: Action, schedule: Schedule) -> float:
-        base = {Kind.F: self.f, Kind.B: self.full_backward, Kind.I: self.i, Kind.W: self.w}[action.kind]
+        kind = action.kind  # (no dict built per call: a planner's simulations ask millions of times)
+        base = (
+            self.f if kind is Kind.F else self.i if kind is Kind.I else self.w if kind is Kind.W else self.full_backward
+        )
         seconds = base * self.weight(action.stage, schedule)
         if self.extra is not None:
             seconds += self.extra(action)
@@ -181,23 +183,40 @@ def _freeing_kind(schedule: Schedule, action: Action, present: set) -> Kind:
     return Kind.W if Action(action.stage, Kind.W, action.microbatch) in present else Kind.B
 
 
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """What :func:`simulate` needs of a schedule alone, computed once per schedule, by position in
+    lockstep order (a topological order that respects every rank's own order): the simulation
+    indexes lists by position instead of hashing actions millions of times over a planner's search."""
+
+    actions: tuple[Action, ...]
+    ranks: tuple[int, ...]
+    deps: tuple[tuple[tuple[int, bool], ...], ...]  # per action: (position, on another rank) of each input
+    following: tuple[int, ...]  # the position of its rank's next action, -1 for none
+    forwards: tuple[tuple[tuple[int, int], ...], ...]  # per rank, in its order: (F, the action freeing it)
+
+
 @functools.lru_cache(maxsize=512)
-def _walk(schedule: Schedule) -> tuple:
-    """What :func:`simulate` needs of a schedule alone, computed once per schedule: the actions in
-    lockstep order (a topological order that respects every rank's own order), each with its rank,
-    its dependencies and the next action of its rank (or None); and per F, the action that frees its
-    activation (its B, or its W when the backward is split)."""
+def _walk(schedule: Schedule) -> _Walk:
     ticks = lockstep_ticks(schedule)
     present = set(ticks)
     rank_of = schedule.stage_to_rank
     orders = [schedule.actions(r) for r in range(schedule.num_ranks)]
+    actions = tuple(sorted(present, key=lambda a: (ticks[a], rank_of[a.stage])))
+    at = {a: i for i, a in enumerate(actions)}
     following = {a: (row[i + 1] if i + 1 < len(row) else None) for row in orders for i, a in enumerate(row)}
-    walk = tuple(
-        (action, rank_of[action.stage], tuple(dependencies(action, schedule, present)), following[action])
-        for action in sorted(present, key=lambda a: (ticks[a], rank_of[a.stage]))
+    deps = tuple(
+        tuple((at[d], rank_of[d.stage] != rank_of[a.stage]) for d in dependencies(a, schedule, present))
+        for a in actions
     )
     frees = {a: Action(a.stage, _freeing_kind(schedule, a, present), a.microbatch) for a in present if a.kind is Kind.F}
-    return walk, types.MappingProxyType(frees)
+    return _Walk(
+        actions=actions,
+        ranks=tuple(rank_of[a.stage] for a in actions),
+        deps=deps,
+        following=tuple(-1 if following[a] is None else at[following[a]] for a in actions),
+        forwards=tuple(tuple((at[a], at[frees[a]]) for a in row if a.kind is Kind.F) for row in orders),
+    )
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
@@ -213,19 +232,19 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     """
     costs = costs or Costs()
     validate(schedule)
-    walk, frees = _walk(schedule)
-    rank_of = schedule.stage_to_rank
+    walk = _walk(schedule)
+    actions = walk.actions
     num_ranks = schedule.num_ranks
     rank_free = [0.0] * num_ranks
     busy = [0.0] * num_ranks
     channel_free = [0.0] * num_ranks
     exposed = [0.0] * num_ranks
     transfer_busy = [0.0] * num_ranks
-    start: dict[Action, float] = {}
-    finish: dict[Action, float] = {}
+    start = [0.0] * len(actions)  # by position in the walk
+    finish = [0.0] * len(actions)
     offload_end: dict[tuple[int, int], float] = {}
     prefetch: dict[tuple[int, int], tuple[float, float]] = {}
-    fetched: dict[Action, float] = {}  # when an action's fetch from host ends
+    fetched: dict[int, float] = {}  # when an action's fetch from host ends
     durations: dict = {}  # per (kind, stage) when costs has no per-action extra
 
     def duration_of(action: Action) -> float:
@@ -241,70 +260,71 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
             return 0.0
         return float(costs.offload_fn(stage, mb)) / costs.host_bandwidth
 
-    def fetch(action: Action, rank: int, requested: float) -> None:
-        seconds = float(costs.fetch_fn(action)) / costs.host_bandwidth if costs.fetch_fn is not None else 0.0
+    def fetch(i: int, rank: int, requested: float) -> None:
+        seconds = float(costs.fetch_fn(actions[i])) / costs.host_bandwidth if costs.fetch_fn is not None else 0.0
         if seconds > 0:
             begin = max(requested, channel_free[rank])
-            fetched[action] = channel_free[rank] = begin + seconds
+            fetched[i] = channel_free[rank] = begin + seconds
             transfer_busy[rank] += seconds
 
     seen_ranks: set[int] = set()
-    for action, rank, deps, nxt in walk:
+    comm = costs.comm
+    for i, (action, rank, deps, nxt) in enumerate(zip(actions, walk.ranks, walk.deps, walk.following)):
         if rank not in seen_ranks:  # the rank's first action: its fetch is requested at the start
             seen_ranks.add(rank)
-            fetch(action, rank, 0.0)
+            fetch(i, rank, 0.0)
         ready = rank_free[rank]
-        for dep in deps:
-            hop = costs.comm if rank_of[dep.stage] != rank else 0.0
-            ready = max(ready, finish[dep] + hop)
+        for d, hops in deps:
+            ready = max(ready, finish[d] + comm if hops else finish[d])
         key = (action.stage, action.microbatch)
-        arrived = fetched.get(action, 0.0)
+        arrived = fetched.get(i, 0.0)
         if action.kind in (Kind.B, Kind.I) and key in prefetch:
             arrived = max(arrived, prefetch[key][1])
         if arrived > ready:
             exposed[rank] += arrived - ready
             ready = arrived
         duration = duration_of(action)
-        start[action] = ready
-        finish[action] = ready + duration
+        start[i] = ready
+        finish[i] = ready + duration
         rank_free[rank] = ready + duration
         busy[rank] += duration
         # The prefetch for the next action is requested when this one starts (it overlaps this
         # action), before this action's own offload, which is requested when it ends.
-        if nxt is not None:
-            nkey = (nxt.stage, nxt.microbatch)
-            if nxt.kind in (Kind.B, Kind.I) and nkey in offload_end:
+        if nxt >= 0:
+            following = actions[nxt]
+            nkey = (following.stage, following.microbatch)
+            if following.kind in (Kind.B, Kind.I) and nkey in offload_end:
                 seconds = transfer_seconds(*nkey)
-                begin = max(start[action], channel_free[rank], offload_end[nkey])
+                begin = max(ready, channel_free[rank], offload_end[nkey])
                 prefetch[nkey] = (begin, begin + seconds)
                 channel_free[rank] = begin + seconds
                 transfer_busy[rank] += seconds
-            fetch(nxt, rank, start[action])
+            fetch(nxt, rank, ready)
         if action.kind is Kind.F:
             seconds = transfer_seconds(*key)
             if seconds > 0:
-                begin = max(finish[action], channel_free[rank])
+                begin = max(finish[i], channel_free[rank])
                 offload_end[key] = begin + seconds
                 channel_free[rank] = begin + seconds
                 transfer_busy[rank] += seconds
     origin = 0.0  # the step starts at 0 (a first action may wait for its weights from host)
-    makespan = max(finish.values(), default=0.0) - origin
+    makespan = max(finish, default=0.0) - origin
     total = schedule.num_ranks * makespan
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
 
     timelines, peaks, timelines_bytes, peaks_bytes = [], [], [], []
     for rank in range(schedule.num_ranks):
         events: list[tuple[float, int, float]] = []  # (time, +1/-1, bytes)
-        for action in schedule.actions(rank):
-            if action.kind is Kind.F:
-                key = (action.stage, action.microbatch)
-                size = costs.activation_size(action.stage, action.microbatch, schedule)
-                events.append((start[action], +1, size))
-                events.append((finish[frees[action]], -1, -size))
-                if key in prefetch:
-                    moved = min(float(costs.offload_fn(*key)), size)
-                    events.append((offload_end[key], 0, -moved))
-                    events.append((prefetch[key][0], 0, moved))
+        for i, freed_by in walk.forwards[rank]:
+            action = actions[i]
+            key = (action.stage, action.microbatch)
+            size = costs.activation_size(action.stage, action.microbatch, schedule)
+            events.append((start[i], +1, size))
+            events.append((finish[freed_by], -1, -size))
+            if key in prefetch:
+                moved = min(float(costs.offload_fn(*key)), size)
+                events.append((offload_end[key], 0, -moved))
+                events.append((prefetch[key][0], 0, moved))
         events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
         live, live_bytes, peak, peak_bytes = 0, 0.0, 0, 0.0
         points, points_bytes = [(0.0, 0)], [(0.0, 0.0)]
@@ -325,8 +345,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
         makespan=makespan,
         bubble_fraction=bubble,
         busy=tuple(busy),
-        start=start,
-        finish=finish,
+        start=dict(zip(actions, start)),
+        finish=dict(zip(actions, finish)),
         timeline=tuple(timelines),
         peak_inflight=tuple(peaks),
         timeline_bytes=tuple(timelines_bytes) if has_bytes else None,
