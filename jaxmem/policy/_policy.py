@@ -394,9 +394,16 @@ class Policy:
         for stage, mb, sp in self.cells:
             bind(sp, f"policy {self.name!r}, cell ({stage}, {mb})")
         by_stage = dict(self.stages)
-        # Looked up by identity first: hashing a stage policy costs more than the rest of this loop,
-        # and a planner resolves thousands of policies over hundreds of cells.
-        by_id = {id(sp): bound[sp] for sp in (self.default, *by_stage.values())}
+        by_id: dict[int, BoundStagePolicy] = {}
+
+        def bound_of(sp: StagePolicy) -> BoundStagePolicy:
+            # By identity first: hashing a stage policy costs more than the rest of these loops, and
+            # a planner resolves thousands of policies over hundreds of cells (each spec is held by
+            # this policy, so its id stays its own).
+            if id(sp) not in by_id:
+                by_id[id(sp)] = bound[sp]
+            return by_id[id(sp)]
+
         table: dict[tuple[int, int], BoundStagePolicy] = {}
         for s in range(S):
             for m in range(M):
@@ -408,11 +415,9 @@ class Policy:
                 for stage, cls, sp in self.stage_microbatch:
                     if stage == s and (s, m) in classes[cls]:
                         chosen = sp
-                table[(s, m)] = by_id[id(chosen)] if id(chosen) in by_id else bound[chosen]
+                table[(s, m)] = bound_of(chosen)
         for s, m, sp in self.cells:
-            if id(sp) not in by_id:
-                by_id[id(sp)] = bound[sp]
-            table[(s, m)] = by_id[id(sp)]
+            table[(s, m)] = bound_of(sp)
         return ResolvedPolicy.build(self, schedule, table)
 
 
