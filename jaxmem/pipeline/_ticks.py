@@ -351,7 +351,6 @@ def build_tick_program(
         raise ScheduleError(
             f"every rank must own the same number of stages for one SPMD program; got {dict(life.uneven)}"
         )
-    local_stage = life.local_stage
 
     index_of: dict[StageClass, int] = {}  # classes in order of first appearance
     cell_class: dict[tuple[int, int], int] = {}
@@ -359,14 +358,12 @@ def build_tick_program(
         cell_class[key] = index_of.setdefault(cell_classes[key], len(index_of))
     classes = list(index_of)
 
-    num_ticks, offsets = life.num_ticks, life.offsets
     stash_items = {(r, c): [] for r in range(num_ranks) for c in range(len(classes))}
     transfer_items = {(r, c): [] for r in range(num_ranks) for c in range(len(classes))}
     for r, p, q, cell in life.stash:
         stash_items[(r, cell_class[cell])].append((p, q, cell))
     for r, p, q, cell in life.transfers:
         transfer_items[(r, cell_class[cell[1:]])].append((p, q, cell))
-    act_slot, grad_slot, act_slots, grad_slots = life.act_slot, life.grad_slot, life.act_slots, life.grad_slots
     stash_live = [[_peak_live(stash_items[(r, c)]) for r in range(num_ranks)] for c in range(len(classes))]
     if stash_elems is None:
         stash_elems = {c: {("float32", "device"): 1} for c in classes}
@@ -395,22 +392,21 @@ def build_tick_program(
             need = max(need, length)
         arena.append(need)
 
-    vocab_ticks = life.vocab_ticks
     # Every distinct (class, kind), in order of class, then kind.
     kinds = {(cell_class[cell], kind) for cell, cell_kinds in life.cell_kinds for kind in cell_kinds}
     branches: list[tuple[int, Kind]] = sorted(kinds, key=lambda k: (k[0], KINDS.index(k[1])))
 
     program = TickProgram(
         schedule=schedule,
-        num_ticks=num_ticks,
-        offsets=tuple(offsets),
+        num_ticks=life.num_ticks,
+        offsets=life.offsets,
         classes=tuple(classes),
         cell_class=cell_class,
-        local_stage=tuple(local_stage),
+        local_stage=life.local_stage,
         branches=tuple(branches),
         table=np.zeros((0, 0, 0), np.int64),
-        act_slots=act_slots,
-        grad_slots=grad_slots,
+        act_slots=life.act_slots,
+        grad_slots=life.grad_slots,
         stash_keys=stash_keys,
         class_elems=class_elems,
         class_transfer_elems=class_transfers,
@@ -420,11 +416,13 @@ def build_tick_program(
         stash_intervals=tuple(
             tuple((p, q, c) for c in range(len(classes)) for p, q, _ in stash_items[(r, c)]) for r in range(num_ranks)
         ),
-        vocab_ticks=vocab_ticks,
+        vocab_ticks=life.vocab_ticks,
     )
     if not with_table:
         return program
-    return dataclasses.replace(program, table=_tick_table(program, stash_offset, act_slot, grad_slot, head_grads))
+    return dataclasses.replace(
+        program, table=_tick_table(program, stash_offset, life.act_slot, life.grad_slot, head_grads)
+    )
 
 
 def _tick_table(
