@@ -119,7 +119,7 @@ def test_checkpoints_are_written_from_shards_and_restore_onto_other_meshes(train
     reads its shard) and onto another stage split and vocabulary cut (re-laid out on the host), with
     equal values and, again, only shards on the devices."""
     from jaxmem.train import Checkpointer
-    from jaxmem.train._checkpoint import _device_hash
+    from jaxmem.train._checkpoint import _leaf_hasher
 
     _, sharded = trainers
     state = sharded.init_state()
@@ -129,7 +129,7 @@ def test_checkpoints_are_written_from_shards_and_restore_onto_other_meshes(train
     assert _device_bytes(exported) <= held  # the very arrays: no gathered copy
     # The checksums are computed on the devices, a leaf at a time: at most one leaf's temporary.
     hashing = max(
-        _device_hash.lower(x).compile().memory_analysis().temp_size_in_bytes for x in jax.tree.leaves(exported)
+        _leaf_hasher(x).lower(x).compile().memory_analysis().temp_size_in_bytes for x in jax.tree.leaves(exported)
     )
     assert hashing <= 0.25 * held, (hashing, held)
     ckpt = Checkpointer(tmp_path / "ckpt", every=1)
@@ -305,3 +305,36 @@ def test_fsdp_keeping_gathered_weights_is_a_policy_the_ledger_prices():
         microbatches=[4],
     )
     assert plan.best.policy_name == "selective+keep-gathered" and plan.best.fsdp == 8
+
+
+def test_checksums_are_the_same_however_the_array_is_cut():
+    """Each device hashes its own shard at its place in the whole array (no collective); the host adds
+    one copy of each shard. Every layout gives the whole array's hash, computed here on the host."""
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmem.train import array_checksums
+    from jaxmem.train._checkpoint import _hash, _leaf_hasher
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "pipe"))
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    layouts = [
+        NamedSharding(mesh, P()),  # replicated: counted once, not 8 times
+        NamedSharding(mesh, P("pipe", ("data", "fsdp"))),
+        NamedSharding(mesh, P(("fsdp", "data"), "pipe")),  # axes in another order than the mesh's
+        NamedSharding(mesh, P(None, ("data", "fsdp", "pipe")), memory_kind="pinned_host"),
+        SingleDeviceSharding(jax.devices()[3]),
+    ]
+    tree = {str(i): jax.device_put(x, s) for i, s in enumerate(layouts)}
+    tree["bf16"] = jax.device_put(x.astype(jnp.bfloat16), layouts[1])
+    want = int(_hash(x, np))
+    got = array_checksums(tree)
+    assert {k: v["hash"] for k, v in got.items() if "bf16" not in k} == {f"['{i}']": want for i in range(5)}
+    assert got["['bf16']"]["hash"] == int(_hash(np.asarray(tree["bf16"]), np)) != want
+    # No collective in the program that hashes a sharded leaf (an all-reduce there aborted on rare runs).
+    hlo = _leaf_hasher(tree["1"]).lower(tree["1"]).compile().as_text()
+    assert not any(op in hlo for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all")), hlo
+    # A value moved to another place changes the hash, whatever the cut.
+    swapped = x.copy()
+    swapped[[0, 7]] = swapped[[7, 0]]
+    assert array_checksums({"a": jax.device_put(swapped, layouts[1])})["['a']"]["hash"] != want

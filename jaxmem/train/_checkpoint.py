@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -97,9 +98,11 @@ def _host_value(x) -> np.ndarray:
 
 # The checksum of an array: a mixed hash of every element's bits and its position in the whole
 # array, summed modulo 2**32. A sum does not care how the array is cut, so each device hashes its own
-# shard and one all-reduce adds them (nothing is gathered), and the value read back onto another mesh
-# checks against the value saved from this one. (Saves before the sharded checkpoints carry a CRC32
-# of the whole array's bytes instead, "crc32", still verified on restore.)
+# shard, with no collective between devices, and the host adds the shards' sums (one copy of each
+# replicated shard; across a job's processes, one small gather of every leaf's partial sum). Nothing
+# is gathered, and the value read back onto another mesh checks against the value saved from this
+# one. (Saves before the sharded checkpoints carry a CRC32 of the whole array's bytes instead,
+# "crc32", still verified on restore.)
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
 
 
@@ -118,21 +121,26 @@ def _bits(x, xp):
     return bits.astype(xp.uint32)
 
 
-def _position(shape, xp):
-    """Every element's flat (row-major) index in the whole array, modulo 2**32."""
+def _position(shape, xp, start, whole):
+    """Every element's flat (row-major) index in the whole array (shape ``whole``), modulo 2**32, for
+    a block of ``shape`` that starts at index ``start`` of it."""
     index, stride = xp.zeros(shape, xp.uint32), 1
     for axis in reversed(range(len(shape))):
         if xp is np:
             along = np.arange(shape[axis], dtype=np.uint32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
         else:
             along = jax.lax.broadcasted_iota(xp.uint32, shape, axis)
+        along = along + xp.asarray(start[axis]).astype(xp.uint32)
         index = index + along * xp.uint32(stride % 2**32)
-        stride *= shape[axis]
+        stride *= whole[axis]
     return index
 
 
-def _hash(x, xp):
-    h = _bits(x, xp) ^ (_position(x.shape, xp) * xp.uint32(_GOLDEN))
+def _hash(x, xp, start=None, whole=None):
+    """The sum of ``x``'s mixed element hashes, ``x`` being the block of an array of shape ``whole``
+    (default: ``x`` is the whole array) that starts at ``start``."""
+    start = (0,) * x.ndim if start is None else start
+    h = _bits(x, xp) ^ (_position(x.shape, xp, start, x.shape if whole is None else whole) * xp.uint32(_GOLDEN))
     h = h * xp.uint32(_MIX1)
     h = h ^ (h >> xp.uint32(13))
     h = h * xp.uint32(_MIX2)
@@ -140,34 +148,103 @@ def _hash(x, xp):
     return xp.sum(h, dtype=xp.uint32)
 
 
-@jax.jit
-def _device_hash(x):
-    """The hash of one device array, computed shard by shard where it lives (offloaded state comes to
-    device memory one shard at a time). One leaf per program: XLA materialises a leaf's mixed bits
-    before summing them, so a program over every leaf would hold all of those at once."""
+def _to_device_memory(x):
+    """Offloaded state comes to device memory for hashing, a shard on each of its devices."""
     if "host" in str(getattr(jax.typeof(x), "memory_space", "")).lower():
-        x = jax.device_put(x, jax.memory.Space.Device)
-    return _hash(x, jax.numpy)
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
+def _even_spec(x):
+    """``x``'s partition spec, one entry per axis, if it is a NamedSharding that cuts every axis evenly
+    (what shard_map takes); else None."""
+    sharding = x.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    for size, entry in zip(x.shape, spec, strict=True):
+        axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        if size % int(np.prod([sharding.mesh.shape[a] for a in axes], dtype=np.int64)):
+            return None
+    return spec
+
+
+@functools.cache
+def _sharded_hasher(sharding: jax.sharding.NamedSharding, spec: tuple):
+    """A jitted program from an array laid out as ``sharding`` to its per-device block hashes, one
+    uint32 per device of the mesh: each device hashes its own block, and no collective runs (an
+    all-reduce over a leaf's devices used to add them; XLA:CPU aborted in it on rare runs). One leaf
+    per program: XLA materialises a block's mixed bits before summing them, so a program over every
+    leaf would hold all of those at once."""
+    mesh = sharding.mesh
+    P = jax.sharding.PartitionSpec
+
+    def hashes(x):
+        whole = x.shape
+
+        def block_hash(block):
+            start = []
+            for d, entry in enumerate(spec):
+                axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+                start.append(jax.lax.axis_index(axes) * block.shape[d] if axes else 0)
+            return _hash(block, jax.numpy, start, whole).reshape((1,) * len(mesh.axis_names))
+
+        mapped = jax.shard_map(block_hash, mesh=mesh, in_specs=P(*spec), out_specs=P(*mesh.axis_names), check_vma=False)
+        return mapped(_to_device_memory(x))
+
+    return jax.jit(hashes)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _block_hash(block, start, whole):
+    """One shard's hash, on its device, given where it starts in the whole array (any layout)."""
+    return _hash(_to_device_memory(block), jax.numpy, start, whole)
+
+
+def _leaf_hasher(x: jax.Array):
+    """The program :func:`array_checksums` hashes a device array with, for inspecting it
+    (``_leaf_hasher(x).lower(x)``), or None when the array is hashed one shard at a time."""
+    spec = _even_spec(x)
+    return None if spec is None else _sharded_hasher(x.sharding, spec)
+
+
+def _partial_hash(x: jax.Array) -> int:
+    """The sum of the hashes of this process's shards of ``x`` that are first copies (replica 0)."""
+    first = {shard.device: shard for shard in x.addressable_shards if shard.replica_id == 0}
+    hasher = _leaf_hasher(x)
+    if hasher is not None:
+        values = [int(np.asarray(s.data).reshape(())) for s in hasher(x).addressable_shards if s.device in first]
+    else:  # an uneven or non-named layout: each shard through its own device's program
+        values = [
+            int(_block_hash(s.data, tuple(np.uint32(i.start or 0) for i in s.index), x.shape)) for s in first.values()
+        ]
+    return sum(values) % 2**32
 
 
 def array_checksums(tree) -> dict[str, dict]:
     """Per array (by its path): shape, dtype and a 32-bit hash of its elements and their positions,
     computed where the array lives (device arrays shard by shard on their devices, host arrays on the
-    host); the same value whatever the array's sharding."""
+    host); the same value whatever the array's sharding. In a job of several processes every process
+    calls it (the processes' partial sums are gathered)."""
     named = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
     on_device = [i for i, (_, leaf) in enumerate(named) if isinstance(leaf, jax.Array)]
-    hashes = {i: _device_hash(named[i][1]) for i in on_device}
+    partial = np.array([_partial_hash(named[i][1]) for i in on_device], dtype=np.uint32)
+    spread = np.array([not named[i][1].is_fully_addressable for i in on_device], dtype=bool)
+    if spread.any():  # arrays across processes: every process adds its shards' sum
+        from jax.experimental import multihost_utils
+
+        gathered = np.asarray(multihost_utils.process_allgather(partial)).reshape(-1, len(on_device))
+        partial = np.where(spread, gathered.sum(axis=0, dtype=np.uint64) % 2**32, partial)
+    hashes = dict(zip(on_device, (int(h) for h in partial), strict=True))
     out = {}
     for i, (name, leaf) in enumerate(named):
-        value = hashes[i] if i in hashes else _hash(np.asarray(leaf), np)
-        out[name] = {"shape": list(leaf.shape), "dtype": str(np.dtype(leaf.dtype)), "hash": _scalar_int(value)}
+        if i in hashes:
+            value = hashes[i]
+        else:
+            with np.errstate(over="ignore"):  # the mixing wraps modulo 2**32 by design
+                value = int(_hash(np.asarray(leaf), np))
+        out[name] = {"shape": list(leaf.shape), "dtype": str(np.dtype(leaf.dtype)), "hash": value}
     return out
-
-
-def _scalar_int(value) -> int:
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        value = value.addressable_data(0)
-    return int(np.asarray(value))
 
 
 def _legacy_crc32(value) -> int:
