@@ -620,6 +620,22 @@ def test_a_sigstopped_worker_is_found_by_its_heartbeat_and_blamed(tmp_path):
     assert "Traceback" not in err and not _alive(str(run_dir))  # the stopped worker was continued and stopped
 
 
+def test_an_interrupt_is_not_lost_inside_the_launchers_own_error_handling(tmp_path, monkeypatch):
+    """The launcher's SIGTERM handler raises where its main thread is, often while it reads a
+    heartbeat file, whose reader catches ValueError (a half-written file). The interrupt was a
+    ValueError too and was swallowed there: the launcher ran on with its workers (seen once in the
+    suite, the SIGTERM test's 200 s timeout)."""
+    from jaxmem.elastic import LaunchInterrupted, read_heartbeat
+
+    def interrupted(self, *args, **kwargs):
+        raise LaunchInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(Path, "read_text", interrupted)
+    with pytest.raises(LaunchInterrupted):
+        read_heartbeat(tmp_path / "heartbeat-0-0")
+    assert not isinstance(LaunchInterrupted(signal.SIGTERM), Exception)
+
+
 def test_sigterm_to_the_launcher_saves_stops_every_worker_and_a_worker_error_is_not_a_failure(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--pipe", "2", "--microbatches", "2", "--batch-size", "4", "--seq-len", "16", "--steps", "2000"]

@@ -494,8 +494,12 @@ def _latest_checkpoint(directory: Path) -> int | None:
     return steps[-1] if steps else None
 
 
-class LaunchInterrupted(JaxmemError):
-    """The launcher was sent SIGTERM/SIGINT; its workers were stopped (and saved)."""
+class LaunchInterrupted(BaseException):
+    """The launcher was sent SIGTERM/SIGINT; its workers were stopped (and saved). Like
+    KeyboardInterrupt, not an Exception: raised by the signal handler wherever the launcher's main
+    thread is, it must not be taken for the error a ``try`` there expects (a JaxmemError is a
+    ValueError, and reading a heartbeat file catches ValueError: an interrupt that landed there was
+    lost, and the launcher ran on)."""
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}; the workers saved and stopped")
