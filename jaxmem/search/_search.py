@@ -249,7 +249,7 @@ def evaluate(
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
     from jaxmem.pipeline import model_layer_counts, splits_backward
-    from jaxmem.policy import PRESETS, chronos_policy, from_spec, reuse_distances
+    from jaxmem.policy import PRESETS, chronos_policy, from_spec, resolve, reuse_distances
 
     model = get_model(model)
     facts = model_facts(model)
@@ -273,8 +273,26 @@ def evaluate(
         hand_recomputed=hand_recomputed,
     )
 
-    def run(policy):
-        return estimate(model, schedule, policy, hardware=hardware, **layout)
+    # One evaluation estimates many policies, and the generator below reaches some of them many
+    # times over (the same choice from several move sets, a ledger it read to fit and then
+    # estimates): each policy's ledger and estimate are worked out once.
+    @functools.cache
+    def resolved(policy):
+        return resolve(policy, schedule, model.tags)
+
+    @functools.cache
+    def ledger(policy):
+        return predict(model, schedule, resolved(policy), **layout)
+
+    @functools.cache
+    def estimated(policy):
+        timed = estimate(model, schedule, resolved(policy), hardware=hardware, memory=False, **layout)
+        return dataclasses.replace(timed, ledger=ledger(policy))
+
+    def run(policy):  # a policy given as a spec dict (a move's) is estimated as it is
+        if isinstance(policy, dict):
+            return estimate(model, schedule, policy, hardware=hardware, **layout)
+        return estimated(policy)
 
     note = ""
     if isinstance(policy_name, str) and policy_name in CHRONOS_MOVES:
@@ -294,10 +312,6 @@ def evaluate(
                 seq=seq,
             ).stash_bytes("device")
             return 2 * stash / hardware.host_share
-
-        @functools.lru_cache(maxsize=64)
-        def ledger(policy):
-            return predict(model, schedule, policy, **layout)
 
         def device_bytes(policy) -> float:
             return ledger(policy).max_device_bytes
