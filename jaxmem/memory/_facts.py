@@ -376,6 +376,13 @@ class ModelFacts:
         split over the ranks, so the first stage starts from its looked-up rows and the last ends before
         the head's projection, see :meth:`vocab_flops`). ``families``: the parameter family of each
         of its ``layers`` (:meth:`stage_families`), for a model whose layers differ in them."""
+        # A planner asks for the same stage hundreds of thousands of times (llama-8b: 686,000 calls).
+        key = ("whole stage", first, last, layers, policy, microbatch, seq, vocab, families and tuple(families))
+        if key not in self._cache:
+            self._cache[key] = self._stage(first, last, layers, policy, microbatch, seq, vocab, families)
+        return self._cache[key]
+
+    def _stage(self, first, last, layers, policy, microbatch, seq, vocab, families) -> StageFacts:
         parts = self._parts(first, last, layers, policy, vocab, families)
         rest, *ones = [self._per_sequence(f, la, fams, p, seq, v) for f, la, fams, p, v in parts]
         if not ones:
