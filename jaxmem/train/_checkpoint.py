@@ -155,18 +155,13 @@ def _to_device_memory(x):
     return x
 
 
-def _even_spec(x):
-    """``x``'s partition spec, one entry per axis, if it is a NamedSharding that cuts every axis evenly
-    (what shard_map takes); else None."""
+def _named_spec(x):
+    """``x``'s partition spec, one entry per axis, if it is laid out by a NamedSharding (what
+    shard_map takes; JAX refuses one that does not cut its axes evenly); else None."""
     sharding = x.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
-    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    for size, entry in zip(x.shape, spec, strict=True):
-        axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        if size % int(np.prod([sharding.mesh.shape[a] for a in axes], dtype=np.int64)):
-            return None
-    return spec
+    return tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
 
 
 @functools.cache
@@ -204,7 +199,7 @@ def _block_hash(block, start, whole):
 def _leaf_hasher(x: jax.Array):
     """The program :func:`array_checksums` hashes a device array with, for inspecting it
     (``_leaf_hasher(x).lower(x)``), or None when the array is hashed one shard at a time."""
-    spec = _even_spec(x)
+    spec = _named_spec(x)
     return None if spec is None else _sharded_hasher(x.sharding, spec)
 
 
@@ -214,7 +209,7 @@ def _partial_hash(x: jax.Array) -> int:
     hasher = _leaf_hasher(x)
     if hasher is not None:
         values = [int(np.asarray(s.data).reshape(())) for s in hasher(x).addressable_shards if s.device in first]
-    else:  # an uneven or non-named layout: each shard through its own device's program
+    else:  # a layout other than a NamedSharding (one device, ...): each shard through its device's program
         values = [
             int(_block_hash(s.data, tuple(np.uint32(i.start or 0) for i in s.index), x.shape)) for s in first.values()
         ]
