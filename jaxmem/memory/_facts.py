@@ -377,7 +377,17 @@ class ModelFacts:
         the head's projection, see :meth:`vocab_flops`). ``families``: the parameter family of each
         of its ``layers`` (:meth:`stage_families`), for a model whose layers differ in them."""
         # A planner asks for the same stage hundreds of thousands of times (llama-8b: 686,000 calls).
-        key = ("whole stage", first, last, layers, policy, microbatch, seq, vocab, families and tuple(families))
+        key = (
+            "whole stage",
+            first,
+            last,
+            layers,
+            policy,
+            microbatch,
+            seq,
+            vocab,
+            families if families is None else tuple(families),
+        )
         if key not in self._cache:
             self._cache[key] = self._stage(first, last, layers, policy, microbatch, seq, vocab, families)
         return self._cache[key]
