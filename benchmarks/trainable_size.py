@@ -52,6 +52,15 @@ METHODS = [
     ("ChronosPipe (all)", "chronos", None, "chronos-both"),
 ]
 
+# The 1F1B baselines ChronosPipe is compared with at one depth.
+BASELINES = (
+    "1F1B + full recompute",
+    "1F1B + full recompute + opt-state on host",
+    "1F1B + selective",
+    "1F1B + selective + opt-state on host",
+    "1F1B + Chronos-Recomp",
+)
+
 
 def score(base, layers, schedule_name, virtual, policy, args, hardware):
     """The method at ``layers``: on a schedule with I and W, the better of W running the whole
@@ -74,6 +83,7 @@ def score(base, layers, schedule_name, virtual, policy, args, hardware):
             batch=args.batch_size,
             seq=args.seq_len,
             data=1,
+            tensor=args.tensor,
             hardware=hardware,
             layer_counts=counts,
             vocab_parallel=args.vocab_parallel,
@@ -139,7 +149,7 @@ def _at_the_papers_depth(base, one_layers, args, hardware):
         for s in range(schedule.num_stages)
     ]
     e = estimate(config, schedule, cand.policy, batch=args.batch_size, seq=args.seq_len, hardware=hardware,
-                 layer_counts=counts, vocab_parallel=args.vocab_parallel,
+                 layer_counts=counts, vocab_parallel=args.vocab_parallel, tensor=args.tensor,
                  split_backward=cand.split_backward, hand_recomputed=cand.hand_recomputed)  # fmt: skip
     row = {
         "layers": layers,
@@ -149,13 +159,13 @@ def _at_the_papers_depth(base, one_layers, args, hardware):
         "step_seconds": e.step_seconds,
         "state_transfer_seconds": e.state_transfer_seconds,
         "device_bytes": e.device_bytes,
-        "update_overlap_bound": _update_overlap_bound(config, schedule, cand.policy, counts, e, hardware),
+        "update_overlap_bound": _update_overlap_bound(config, schedule, cand.policy, counts, e, hardware, args.tensor),
     }
     print(f"at the paper's depth ({layers} layers): {row}", file=sys.stderr)
     return row
 
 
-def _update_overlap_bound(config, schedule, policy, counts, e, hardware) -> dict:
+def _update_overlap_bound(config, schedule, policy, counts, e, hardware, tensor=1) -> dict:
     """What the update's host traffic would cost if it were streamed per stage and overlapped, as far
     as the simulated timeline allows (the executor does not do this: its update runs after the tick
     loop): each stage's optimizer state (and weights) on host read and written back on its rank's
@@ -168,7 +178,7 @@ def _update_overlap_bound(config, schedule, policy, counts, e, hardware) -> dict
     from jaxmem.policy import resolve
 
     resolved = resolve(policy, schedule, get_model(config).tags)
-    seconds = stage_update_seconds(config, schedule, resolved, counts, hardware)  # read and written back
+    seconds = stage_update_seconds(config, schedule, resolved, counts, hardware, tensor=tensor)  # read, written back
     sim = e.simulation
     makespan = sim.makespan
 
@@ -258,6 +268,13 @@ def main(argv=None):
         "profile's bf16 peak; float32: scored at the dtype's own peak, TF32 dense on the H100)",
     )
     parser.add_argument("--pipe", type=int, default=8)
+    parser.add_argument(
+        "--tensor",
+        type=int,
+        default=1,
+        help="tensor-parallel ways inside each pipe rank (the paper's runs were PP8 x TP8 on Llama-2-70B-like "
+        "layers: --width llama-70b --tensor 8); the devices are pipe x tensor, the budget per device",
+    )
     parser.add_argument("--microbatches", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -371,6 +388,21 @@ def main(argv=None):
             return None
         return at_full["ChronosPipe (all)"]["per_layer_throughput"] / base_row["per_layer_throughput"]
 
+    # Where a baseline does not fit ChronosPipe's depth, the comparison at the baseline's own deepest:
+    # ChronosPipe (all moves, no floor) there, over the baseline there.
+    at_their_depths = {}
+    for name in BASELINES:
+        depth = by[name]["max_layers"] if name in by else 0
+        if depth and not at_full.get(name, {}).get("fits", False):
+            cand = score(base, depth, "chronos", None, "chronos-both", args, hardware)
+            at_their_depths[name] = {
+                "layers": depth,
+                "chronos_fits": cand.fits,
+                "chronos_over_it": cand.tokens_per_second * depth / by[name]["per_layer_throughput"]
+                if cand.fits
+                else None,
+            }
+            print(f"at {name}'s depth ({depth} layers): {at_their_depths[name]}", file=sys.stderr)
     # 1F1B + full recompute at the depth full ChronosPipe reaches.
     recompute_there = (
         score(base, full["max_layers"], "1f1b", None, "recompute-all", args, hardware) if full["max_layers"] else None
@@ -389,6 +421,7 @@ def main(argv=None):
             "dtype": base.dtype,
         },
         "pipe": args.pipe,
+        "tensor": args.tensor,
         "microbatches": args.microbatches,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
@@ -408,16 +441,8 @@ def main(argv=None):
             "chronos_over_it": full["per_layer_throughput"] / (recompute_there.tokens_per_second * full["max_layers"]),
         },
         "same_depth": same_depth,
-        "chronos_over_baselines_at_its_depth": {
-            name: over(name)
-            for name in (
-                "1F1B + full recompute",
-                "1F1B + full recompute + opt-state on host",
-                "1F1B + selective",
-                "1F1B + selective + opt-state on host",
-                "1F1B + Chronos-Recomp",
-            )
-        },
+        "chronos_over_baselines_at_its_depth": {name: over(name) for name in BASELINES},
+        "chronos_over_baselines_at_their_depths": at_their_depths,
         "depth_ratios_vs_1f1b": {
             r["name"]: (r["max_layers"] / one["max_layers"] if one["max_layers"] else None) for r in results
         },

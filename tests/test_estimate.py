@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from jaxmem.memory import CPU_LOCKSTEP_PROCESSES, HARDWARE, estimate, model_facts
-from jaxmem.models import get_model
+from jaxmem.models import get_config, get_model
 from jaxmem.schedule import generate
 
 BATCH, SEQ = 32, 64
@@ -166,14 +166,16 @@ def test_w_without_the_split_runs_a_whole_backward_and_the_planner_weighs_the_sp
     one = generate("1f1b", 8, 8)  # the same 8 stages of one layer, with whole backwards
     run = dict(batch=BATCH, seq=SEQ, hardware="h100")
     plain, split = (estimate(model, schedule, "save-all", split_backward=s, **run) for s in (False, True))
-    whole = estimate(model, one, "save-all", **run).costs
+    # The actions' own costs are compared with the vocabulary whole: a split one's work is charged to
+    # the actions of its ticks, which differ between the two schedules.
+    whole_vocab = dict(run, vocab_parallel=False)
+    costs = [estimate(model, schedule, "save-all", split_backward=s, **whole_vocab).costs for s in (False, True)]
+    whole = estimate(model, one, "save-all", **whole_vocab).costs
     for stage in range(schedule.num_stages):
         i, w, b = Action(stage, Kind.I, 0), Action(stage, Kind.W, 0), Action(stage, Kind.B, 0)
         backward = whole.duration(b, one)
-        assert plain.costs.duration(w, schedule) == pytest.approx(backward, rel=1e-12)
-        assert split.costs.duration(i, schedule) + split.costs.duration(w, schedule) == pytest.approx(
-            backward, rel=1e-12
-        )
+        assert costs[0].duration(w, schedule) == pytest.approx(backward, rel=1e-12)
+        assert costs[1].duration(i, schedule) + costs[1].duration(w, schedule) == pytest.approx(backward, rel=1e-12)
     assert split.step_seconds < plain.step_seconds and split.device_bytes > plain.device_bytes
     # Under a tensor axis the split holds too, its transfers cut over it as the stash is. A W without
     # it runs the pullback's sums and stash gather again; a split W gathers instead the whole part of
@@ -245,3 +247,23 @@ def test_w_given_what_i_recomputed_recomputes_nothing_and_the_planner_weighs_it(
     assert config.split_backward and config.hand_recomputed
     args = type("Args", (), {"model": "tiny", "budget": "1GiB", "hardware": "h100"})()
     assert "--split-backward --hand-recomputed" in train_command(roomy.best, args, BATCH, SEQ)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "chronos", "zbv"])
+def test_the_split_vocabularys_head_costs_each_rank_its_slices_at_their_ticks(name, monkeypatch):
+    """With the vocabulary split over the ranks, every rank computes its slice of a microbatch's head in
+    the tick at which the last stage's F reaches it (jaxmem.pipeline._vocab). Charged to the actions
+    of those ticks, the head lengthens the step by a rank's M slices. It was spread over every F
+    before, which lengthened each link of a V-shape's chains: 2.6x that here for Chronos, 1.4x for
+    1F1B (gpt2-small width, 8 layers, P=4, M=8, 1024 tokens a microbatch; links left out, so only
+    the head's FLOPs differ)."""
+    model = get_model(dataclasses.replace(get_config("gpt2-small"), n_layers=8, dtype="bfloat16"))
+    unlinked = dataclasses.replace(HARDWARE["h100"], link_bandwidth=None, network_bandwidth=None)
+    facts = model_facts(model)
+    slice_seconds = facts.vocab_flops(1, 1024) / unlinked.flops_per_second / 4
+    schedule = generate(name, 4, 8)
+    run = dict(batch=8, seq=1024, hardware=unlinked)
+    with_head = estimate(model, schedule, "save-all", **run).simulation.makespan
+    monkeypatch.setattr(facts, "vocab_flops", lambda *args: 0.0)
+    without = estimate(model, schedule, "save-all", **run).simulation.makespan
+    assert with_head - without == pytest.approx(8 * slice_seconds, rel=1e-6)

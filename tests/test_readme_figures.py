@@ -281,3 +281,35 @@ def test_the_wider_model_matches_its_records():
     cpu = [thunk[v]["cpu_over_plain_cpu"] for v in ("1f1b M=8 save-all", "zbv M=8 save-all split", "zbv M=8 save-all")]
     said = f"of {cpu[0]:.2f}x the plain step's for 1F1B, {cpu[1]:.2f}x for ZBV with the split and {cpu[2]:.2f}x"
     assert said in README
+
+
+def test_the_papers_layout_figures_match_their_records():
+    said = []
+    for suffix, label in (("", "M=4P"), ("_m16", "M=2P")):
+        record = _record(f"trainable_size_paper_layout{suffix}.json")
+        assert record["tensor"] == 8 and record["model_family"]["width_preset"] == "llama-70b"
+        by = {m["name"]: m for m in record["methods"]}
+        one = by["1F1B"]
+        rows = [
+            by[name]
+            for name in (
+                "1F1B",
+                "1F1B + full recompute",
+                "1F1B + full recompute + opt-state on host",
+                "ChronosPipe (all)",
+            )
+        ]
+        table = [(m["max_layers"], f"{m['per_layer_throughput'] / one['per_layer_throughput']:.2f}") for m in rows]
+        said.append(table)
+        full = by["ChronosPipe (all)"]
+        assert f"{record['chronos_vs_1f1b_depth_ratio']:.1f}x" in README, label
+        assert full["max_layers"] / by["1F1B + full recompute"]["max_layers"] in (1.5, 2.0), label
+        theirs = record["chronos_over_baselines_at_their_depths"]
+        for name in ("1F1B + full recompute", "1F1B + full recompute + opt-state on host"):
+            row = theirs[name]
+            assert f"{row['chronos_over_it']:.2f}x" in README and str(row["layers"]) in README, (label, name)
+    (m32, m16) = said
+    for (a, ra), (b, rb), name in zip(
+        m32, m16, ("1F1B", "1F1B + full recompute", "1F1B + full recompute, optimizer", "ChronosPipe (same floor)")
+    ):
+        assert f"| {name}" in README and f"| {a} | {ra} | {b} | {rb} |" in README, name
