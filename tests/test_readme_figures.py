@@ -303,7 +303,7 @@ def test_the_papers_layout_figures_match_their_records():
         said.append(table)
         full = by["ChronosPipe (all)"]
         assert f"{record['chronos_vs_1f1b_depth_ratio']:.1f}x" in README, label
-        assert full["max_layers"] / by["1F1B + full recompute"]["max_layers"] in (1.5, 2.0), label
+        assert f"{full['max_layers'] / by['1F1B + full recompute']['max_layers']:.1f}x" in README, label
         theirs = record["chronos_over_baselines_at_their_depths"]
         for name in ("1F1B + full recompute", "1F1B + full recompute + opt-state on host"):
             row = theirs[name]
