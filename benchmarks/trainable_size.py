@@ -62,6 +62,11 @@ BASELINES = (
 )
 
 
+def _layer_counts(layers: int, stages: int) -> list[int]:
+    """Layers per stage, the first ``layers % stages`` stages one more."""
+    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+
+
 def score(base, layers, schedule_name, virtual, policy, args, hardware):
     """The method at ``layers``: on a schedule with I and W, the better of W running the whole
     pullback again and W taking I's cotangents (``split_backward``: half a backward, for their
@@ -70,7 +75,7 @@ def score(base, layers, schedule_name, virtual, policy, args, hardware):
     config = dataclasses.replace(base, n_layers=layers)
     schedule = generate(schedule_name, args.pipe, args.microbatches, virtual)
     stages = schedule.num_stages  # 2P for the V-shaped schedules: a multiple of P may split unevenly
-    counts = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+    counts = _layer_counts(layers, stages)
     splits = [(False, False), (True, False)] if uses_split_backward(schedule) else [(False, False)]
     if args.hand_recomputed and uses_split_backward(schedule):
         splits.append((True, True))
@@ -135,22 +140,12 @@ def _at_the_papers_depth(base, one_layers, args, hardware):
     with no throughput floor: what fits it there, how fast, and what its host traffic costs. With the
     optimizer state on host, the update reads and writes each rank's Adam moments after the tick loop
     (nothing overlaps it, see jaxmem.memory.state_transfer_seconds)."""
-    from jaxmem.memory import estimate
-
     if not one_layers:
         return None
     layers = -(-int(2.4 * one_layers) // args.pipe) * args.pipe
     cand = score(base, layers, "chronos", None, "chronos-both", args, hardware)
     one = score(base, one_layers, "1f1b", None, "save-all", args, hardware)
-    config = dataclasses.replace(base, n_layers=layers)
-    schedule = generate("chronos", args.pipe, args.microbatches)
-    counts = [
-        layers // schedule.num_stages + (1 if s < layers % schedule.num_stages else 0)
-        for s in range(schedule.num_stages)
-    ]
-    e = estimate(config, schedule, cand.policy, batch=args.batch_size, seq=args.seq_len, hardware=hardware,
-                 layer_counts=counts, vocab_parallel=args.vocab_parallel, tensor=args.tensor,
-                 split_backward=cand.split_backward, hand_recomputed=cand.hand_recomputed)  # fmt: skip
+    config, schedule, counts, e = _estimated(base, layers, "chronos", None, cand, args, hardware)
     row = {
         "layers": layers,
         "fits": cand.fits,
@@ -163,6 +158,27 @@ def _at_the_papers_depth(base, one_layers, args, hardware):
     }
     print(f"at the paper's depth ({layers} layers): {row}", file=sys.stderr)
     return row
+
+
+def _estimated(base, layers, schedule_name, virtual, cand, args, hardware):
+    """A scored candidate estimated again whole: ``(config, schedule, layer counts, estimate)``."""
+    from jaxmem.memory import estimate
+
+    config = dataclasses.replace(base, n_layers=layers)
+    schedule = generate(schedule_name, args.pipe, args.microbatches, virtual)
+    counts = _layer_counts(layers, schedule.num_stages)
+    e = estimate(config, schedule, cand.policy, batch=args.batch_size, seq=args.seq_len, hardware=hardware,
+                 layer_counts=counts, vocab_parallel=args.vocab_parallel, tensor=args.tensor,
+                 split_backward=cand.split_backward, hand_recomputed=cand.hand_recomputed)  # fmt: skip
+    return config, schedule, counts, e
+
+
+def _step_parts(base, layers, schedule_name, virtual, cand, args, hardware) -> dict:
+    """A scored candidate's simulated step: its seconds, the busiest rank's busy seconds and the
+    bubble (idle share of the ranks' time)."""
+    e = _estimated(base, layers, schedule_name, virtual, cand, args, hardware)[3]
+    sim = e.simulation
+    return {"step_seconds": e.step_seconds, "busy_seconds": max(sim.busy), "bubble": sim.bubble_fraction}
 
 
 def _update_overlap_bound(config, schedule, policy, counts, e, hardware, tensor=1) -> dict:
@@ -395,12 +411,16 @@ def main(argv=None):
         depth = by[name]["max_layers"] if name in by else 0
         if depth and not at_full.get(name, {}).get("fits", False):
             cand = score(base, depth, "chronos", None, "chronos-both", args, hardware)
+            method = next(m for m in methods if m[0] == name)
+            theirs = score(base, depth, method[1], method[2], method[3], args, hardware)
             at_their_depths[name] = {
                 "layers": depth,
                 "chronos_fits": cand.fits,
                 "chronos_over_it": cand.tokens_per_second * depth / by[name]["per_layer_throughput"]
                 if cand.fits
                 else None,
+                "chronos_step": _step_parts(base, depth, "chronos", None, cand, args, hardware),
+                "its_step": _step_parts(base, depth, method[1], method[2], theirs, args, hardware),
             }
             print(f"at {name}'s depth ({depth} layers): {at_their_depths[name]}", file=sys.stderr)
     # 1F1B + full recompute at the depth full ChronosPipe reaches.

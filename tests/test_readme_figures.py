@@ -308,6 +308,15 @@ def test_the_papers_layout_figures_match_their_records():
         for name in ("1F1B + full recompute", "1F1B + full recompute + opt-state on host"):
             row = theirs[name]
             assert f"{row['chronos_over_it']:.2f}x" in README and str(row["layers"]) in README, (label, name)
+    # Why level at equal depth (M=4P): busy time and bubble of both at the baseline's depth.
+    row = _record("trainable_size_paper_layout.json")["chronos_over_baselines_at_their_depths"]["1F1B + full recompute"]
+    ours, theirs = row["chronos_step"], row["its_step"]
+    text = (
+        f"works {ours['busy_seconds']:.2f} s a step against 1F1B + full recompute's {theirs['busy_seconds']:.2f} s",
+        f"{100 * ours['bubble']:.0f}% of the ranks' time against {100 * theirs['bubble']:.0f}%",
+    )
+    for t in text:
+        assert t in README, t
     (m32, m16) = said
     for (a, ra), (b, rb), name in zip(
         m32, m16, ("1F1B", "1F1B + full recompute", "1F1B + full recompute, optimizer", "ChronosPipe (same floor)")
