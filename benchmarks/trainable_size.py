@@ -317,6 +317,13 @@ def main(argv=None):
         "sensitivity to it (an accelerator's XLA fuses more, or holds other buffers)",
     )
     parser.add_argument(
+        "--no-links",
+        action="store_true",
+        help="price no communication between devices (the profile without its NVLink and network rates; "
+        "the host link stays): the headline's sensitivity to the collectives, which the profile prices "
+        "unoverlapped with compute",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         metavar="NAME",
@@ -342,6 +349,10 @@ def main(argv=None):
     if args.dtype == "float32" and hardware.name == "h100":
         # The profile's peak is dense bf16; float32 matmuls run as TF32 at half of it (494.7 TFLOP/s dense).
         hardware = dataclasses.replace(hardware, peak_flops=hardware.peak_flops / 2, note=hardware.note + "; TF32")
+    if args.no_links:
+        hardware = dataclasses.replace(
+            hardware, link_bandwidth=None, network_bandwidth=None, note=hardware.note + "; no links priced"
+        )
     base = dataclasses.replace(get_config(args.width), dtype=args.dtype)
     start = time.perf_counter()
     results = []

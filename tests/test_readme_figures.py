@@ -317,6 +317,19 @@ def test_the_papers_layout_figures_match_their_records():
     )
     for t in text:
         assert t in README, t
+    free = _record("trainable_size_paper_layout_no_links.json")
+    assert free["hardware"]["link_bandwidth"] is None and free["hardware"]["network_bandwidth"] is None
+    theirs = free["chronos_over_baselines_at_their_depths"]
+    row = theirs["1F1B + full recompute"]
+    text = (
+        f"fits {free['methods'][-1]['max_layers']} layers ({free['chronos_vs_1f1b_depth_ratio']:.1f}x",
+        f"1F1B's depth at {free['chronos_vs_1f1b_throughput_ratio']:.2f}x)",
+        f"it runs {row['chronos_over_it']:.2f}x 1F1B + full recompute at {row['layers']} layers",
+        f"bubble {100 * row['chronos_step']['bubble']:.0f}% against {100 * row['its_step']['bubble']:.0f}%",
+        f"{theirs['1F1B + full recompute + opt-state on host']['chronos_over_it']:.2f}x the offloaded variant",
+    )
+    for t in text:
+        assert t in README, t
     (m32, m16) = said
     for (a, ra), (b, rb), name in zip(
         m32, m16, ("1F1B", "1F1B + full recompute", "1F1B + full recompute, optimizer", "ChronosPipe (same floor)")
