@@ -356,6 +356,7 @@ def main(argv=None):
     base = dataclasses.replace(get_config(args.width), dtype=args.dtype)
     start = time.perf_counter()
     results = []
+    scored = {}  # per method: (the method, its candidate at the depth it reports)
     floor = None
     for method in methods:
         layers, cand = max_depth(base, method, args, hardware)
@@ -369,6 +370,7 @@ def main(argv=None):
             # in strides of 4P, then back up in steps of P to the deepest that keeps the floor.
             layers, cand = _deepest_above_floor(base, method, args, hardware, floor, layers, cand)
         throughput = cand.tokens_per_second * layers if cand else 0.0
+        scored[method[0]] = method, cand
         results.append(
             {
                 "name": method[0],
@@ -422,8 +424,7 @@ def main(argv=None):
         depth = by[name]["max_layers"] if name in by else 0
         if depth and not at_full.get(name, {}).get("fits", False):
             cand = score(base, depth, "chronos", None, "chronos-both", args, hardware)
-            method = next(m for m in methods if m[0] == name)
-            theirs = score(base, depth, method[1], method[2], method[3], args, hardware)
+            method, theirs = scored[name]
             at_their_depths[name] = {
                 "layers": depth,
                 "chronos_fits": cand.fits,

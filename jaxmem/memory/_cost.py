@@ -32,6 +32,7 @@ term for how XLA:CPU's speed depends on the microbatch's size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -216,25 +217,27 @@ def get_hardware(name: str | Hardware) -> Hardware:
     return HARDWARE[key]
 
 
-def _vocab_ticks(schedule: Schedule, facts, microbatch, seq, rate, hardware, message, tensor) -> dict:
-    """Per action, the seconds of the split vocabulary's work in its lockstep tick (the executor's
-    ticks at which every rank works on it, :mod:`jaxmem.pipeline._vocab`): a sum over the pipe ranks
-    where the first stage's F looks a microbatch up and where its B or I has the rows' gradient; the
-    rank's slice of the head's projection, forward and backward, and two sums where the last stage's
-    F reaches the head."""
+@functools.lru_cache(maxsize=512)
+def _vocab_ticks(schedule: Schedule) -> dict:
+    """Per action that runs in a lockstep tick where every rank works on the split vocabulary (the
+    executor's, :mod:`jaxmem.pipeline._vocab`), how many of that work's sums and heads its tick holds:
+    ``(sums, heads)``. A sum over the pipe ranks where the first stage's F looks a microbatch up and
+    where its B or I has the rows' gradient; a head (the rank's slice of its projection, forward and
+    backward, and two sums) where the last stage's F reaches it. Cached per schedule: a planner
+    prices many policies on one."""
     from jaxmem.schedule import lockstep_ticks
 
-    one_sum = hardware.collective_seconds("all_reduce", message, schedule.num_ranks, tensor)
-    head = facts.vocab_flops(microbatch, seq) / rate / schedule.num_ranks + 2 * one_sum
     last = schedule.num_stages - 1
     ticks = lockstep_ticks(schedule)
-    at_tick: dict[int, float] = {}
+    at_tick: dict[int, tuple[int, int]] = {}
     for action, tick in ticks.items():
+        sums, heads = at_tick.get(tick, (0, 0))
         if action.stage == 0 and action.kind in (Kind.F, Kind.B, Kind.I):
-            at_tick[tick] = at_tick.get(tick, 0.0) + one_sum
+            sums += 1
         if action.stage == last and action.kind is Kind.F:
-            at_tick[tick] = at_tick.get(tick, 0.0) + head
-    return {action: at_tick[tick] for action, tick in ticks.items() if tick in at_tick}
+            heads += 1
+        at_tick[tick] = (sums, heads)
+    return {action: at_tick[tick] for action, tick in ticks.items() if at_tick[tick] != (0, 0)}
 
 
 def step_costs(
@@ -329,7 +332,9 @@ def step_costs(
 
     ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
     message = facts.message_bytes(microbatch, seq)
-    vocab_work = _vocab_ticks(schedule, facts, microbatch, seq, rate, hardware, message, tensor) if vocab else None
+    vocab_ticks = _vocab_ticks(schedule) if vocab else {}
+    one_sum = hardware.collective_seconds("all_reduce", message, ranks, tensor) if vocab else 0.0
+    head = facts.vocab_flops(microbatch, seq) / rate / ranks + 2 * one_sum if vocab else 0.0
     shared_bytes = facts.stage_shared_bytes(vocab)
     # What a stage's weights take on a device once gathered over fsdp (its tensor cut stays).
     layer_bytes = facts.layer_bytes
@@ -417,8 +422,9 @@ def step_costs(
         recompute, device, host, forward_comm, backward_comm, handed_comm = cell(action.stage, action.microbatch)
         traffic = per_byte * (device + host) / 2
         comm = gathers[(action.stage, action.kind.value)]
-        if vocab_work is not None:
-            comm += vocab_work.get(action, 0.0)
+        if action in vocab_ticks:
+            sums, heads = vocab_ticks[action]
+            comm += sums * one_sum + heads * head
         if action.kind is Kind.F:
             return traffic + comm + forward_comm
         if action.kind is Kind.B:
