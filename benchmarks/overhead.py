@@ -32,8 +32,11 @@ import os
 import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jaxmem._util import with_host_devices  # noqa: E402  (imports no JAX)
+
+# 8 virtual devices, as the CLI asks for them: on fewer cores, each runs its kernels on one thread.
+os.environ.setdefault("XLA_FLAGS", with_host_devices("", 8))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -282,6 +285,7 @@ def main(argv=None):
         "tensor": args.tensor,
         "plain_devices": 4 * args.tensor,  # the plain_data_parallel_4 figures' devices
         "platform": jax.devices()[0].platform,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "cpu_count": os.cpu_count(),
         "rounds": args.rounds,
         "plain_data_parallel_4_step_seconds": plain4_s,

@@ -20,6 +20,10 @@ Per variant:
 - with ``--top N``, ``top_kernels_ms``: the N instruction kinds with the most kernel self time per
   step, summed over the devices, each with its place.
 
+A variant ending in ``:nocomm`` (``zbv:save-all:32:split:nocomm``) is traced with its tick loop's
+collectives replaced by local stand-ins (:func:`without_collectives`): wrong values, the same work,
+no barrier. Beside the same variant with them, it says what the lockstep's collectives cost.
+
 First, a probe of whether the device threads spin while they wait at a collective (they would then
 burn CPU time for the lockstep's imbalance): one rank of four works, three wait (:func:`wait_probe`).
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -36,8 +41,11 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jaxmem._util import with_host_devices  # noqa: E402  (imports no JAX)
+
+# 8 virtual devices, as the CLI asks for them: on fewer cores, each runs its kernels on one thread.
+os.environ.setdefault("XLA_FLAGS", with_host_devices("", 8))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
@@ -224,16 +232,39 @@ def wait_probe(steps: int = 5) -> dict:
     return {"one_works_three_wait_cores": cores(pipelined, x), "alone_cores": cores(alone, jnp.full((64, 64), 0.01))}
 
 
+@contextlib.contextmanager
+def without_collectives():
+    """While a pipelined step is traced, its tick loop's collectives are local stand-ins of their shapes.
+
+    A message "received" is the rank's own; a sum or a gather over the ranks is the rank's own value.
+    The values are wrong; every action's work is the same, and so are the loop, its conditionals and
+    the gradients' sums after it. On XLA:CPU every collective is a rendezvous of all the device threads,
+    so this times the step without the lockstep's barriers (for timing only: ``nocomm`` variants)."""
+    from jaxmem.pipeline import _body
+
+    ends = _body._VocabEnds
+    saved = jax.lax.ppermute, ends.total, ends.gather
+    jax.lax.ppermute = lambda x, axis_name, perm: x
+    ends.total = lambda self, x: _body.vary(x)
+    ends.gather = lambda self, x: _body.vary(jnp.broadcast_to(x, (self.run.body.pipeline.pipe, *x.shape)))
+    try:
+        yield
+    finally:
+        jax.lax.ppermute, ends.total, ends.gather = saved
+
+
 def parse_variant(text: str):
-    """``schedule:policy:M[:split]`` -> ``(schedule, policy, M, split)``; ``plain`` -> None."""
+    """``schedule:policy:M[:split][:nocomm]`` -> ``(schedule, policy, M, split, nocomm)``; ``plain`` -> None."""
     if text == "plain":
         return None
     parts = text.split(":")
-    if len(parts) not in (3, 4) or not parts[2].isdigit() or parts[3:] not in ([], ["split"]):
+    tags = parts[3:]
+    if len(parts) < 3 or not parts[2].isdigit() or tags not in ([], ["split"], ["nocomm"], ["split", "nocomm"]):
         raise SystemExit(
-            f"variant {text!r}: expected schedule:policy:M or schedule:policy:M:split, e.g. zbv:save-all:32"
+            f"variant {text!r}: expected schedule:policy:M, then :split and/or :nocomm, e.g. zbv:save-all:32 or "
+            "zbv:save-all:32:split:nocomm"
         )
-    return parts[0], parts[1], int(parts[2]), len(parts) == 4
+    return parts[0], parts[1], int(parts[2]), "split" in tags, "nocomm" in tags
 
 
 DEFAULT = "plain,1f1b:save-all:8,1f1b:save-all:32,zbv:save-all:8:split,zbv:save-all:32:split,zbv:save-all:32"
@@ -274,11 +305,12 @@ def main(argv=None):
             compiled, run, state, batches, _ = plain_step("tiny", 64, 64, layers=args.layers, d_model=args.d_model)
             label, batch = "plain, data parallel 4", batches[0]
         else:
-            schedule, policy, m, split = variant
+            schedule, policy, m, split, nocomm = variant
             model = get_model("tiny", n_layers=args.layers, d_model=args.d_model)
-            compiled, run, state, batches, _ = pipelined_program(m, 64, 64, schedule, 4, policy, model, split)
+            with without_collectives() if nocomm else contextlib.nullcontext():
+                compiled, run, state, batches, _ = pipelined_program(m, 64, 64, schedule, 4, policy, model, split)
             batch = batches[0]
-            label = f"{schedule} M={m} {policy}" + (" split" if split else "")
+            label = f"{schedule} M={m} {policy}" + (" split" if split else "") + (" nocomm" if nocomm else "")
         wall, cpu, state = timed(run, state, batch, args.steps)
         times, counts = traced(run, state, batch, 3, compiled.as_text(), by_instruction=bool(args.top))
         kinds = collections.Counter()  # kernel self time by (where, instruction kind), with --top
@@ -327,6 +359,7 @@ def main(argv=None):
         "seq_len": 64,
         "pipe": 4,
         "cores": cores,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "notes": [
             "cpu_ms: the process's CPU time per step (time.process_time), all threads",
             "thunks_per_device: the trace's thunk events per step and device, outside / in the tick loop / "

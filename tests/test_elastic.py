@@ -524,10 +524,21 @@ def test_a_killed_worker_is_recovered_and_every_sample_is_used_once(tmp_path):
 # ---------------------------------------------------------------- the launcher owns its workers
 def test_the_launcher_keeps_the_users_xla_flags_and_sets_the_device_count():
     flags = "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    assert with_host_devices(flags, 2) == (
+    assert with_host_devices(flags, 2, cores=4) == (
         "--xla_dump_to=/tmp/x --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2"
     )
-    assert with_host_devices("", 1) == "--xla_force_host_platform_device_count=1"
+    assert with_host_devices("", 1, cores=4) == "--xla_force_host_platform_device_count=1"
+
+
+def test_virtual_devices_at_least_the_cores_run_their_kernels_on_one_thread_each():
+    one = "--xla_cpu_multi_thread_eigen=false"
+    assert with_host_devices("", 4, cores=2) == f"{one} --xla_force_host_platform_device_count=4"
+    assert with_host_devices("", 2, cores=2) == f"{one} --xla_force_host_platform_device_count=2"
+    assert one not in with_host_devices("", 8, cores=64)  # the cores to spare: XLA's pool keeps them
+    # A user's own setting stays, once.
+    mine = "--xla_cpu_multi_thread_eigen=true"
+    assert with_host_devices(mine, 8, cores=2) == f"{mine} --xla_force_host_platform_device_count=8"
+    assert with_host_devices(f"{one} --xla_force_host_platform_device_count=8", 4, cores=2).count(one) == 1
 
 
 def _alive(pattern: str) -> list[str]:

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-from thunk_time import opcodes, parse_variant, self_times  # noqa: E402
+from thunk_time import opcodes, parse_variant, self_times, without_collectives  # noqa: E402
 
 HLO = """HloModule m
 
@@ -92,12 +92,35 @@ def test_each_event_counts_its_own_time_where_its_instruction_runs():
 
 def test_a_variant_names_schedule_policy_and_microbatches():
     assert parse_variant("plain") is None
-    assert parse_variant("zbv:save-all:32:split") == ("zbv", "save-all", 32, True)
-    assert parse_variant("1f1b:selective:8") == ("1f1b", "selective", 8, False)
-    for bad in ("zbv", "zbv:save-all:x", "zbv:save-all:8:fast"):
+    assert parse_variant("zbv:save-all:32:split") == ("zbv", "save-all", 32, True, False)
+    assert parse_variant("1f1b:selective:8") == ("1f1b", "selective", 8, False, False)
+    assert parse_variant("zbv:save-all:32:split:nocomm") == ("zbv", "save-all", 32, True, True)
+    assert parse_variant("1f1b:save-all:8:nocomm") == ("1f1b", "save-all", 8, False, True)
+    for bad in ("zbv", "zbv:save-all:x", "zbv:save-all:8:fast", "zbv:save-all:8:nocomm:split"):
         try:
             parse_variant(bad)
         except SystemExit as e:
             assert "schedule:policy:M" in str(e)
         else:
             raise AssertionError(bad)
+
+
+def test_a_nocomm_variant_has_no_collective_in_its_tick_loop():
+    """The stand-ins take the tick loop's sends, gathers and sums out of the step, and only while it is
+    traced; the gradients' sums after the loop stay."""
+    from jaxmem.config import TrainConfig
+    from jaxmem.train import Trainer
+
+    def collectives():
+        trainer = Trainer(
+            TrainConfig(model="tiny", pipe=4, schedule="zbv", microbatches=4, batch_size=8, seq_len=16, steps=1)
+        )
+        text = trainer.lower(trainer.init_state()).as_text()
+        return {op: text.count(f"stablehlo.{op}") for op in ("collective_permute", "all_reduce", "all_gather")}
+
+    with without_collectives():
+        stood_in = collectives()
+    found = collectives()
+    assert found["collective_permute"] and found["all_gather"], found
+    assert stood_in["collective_permute"] == stood_in["all_gather"] == 0, stood_in
+    assert 0 < stood_in["all_reduce"] < found["all_reduce"], (stood_in, found)

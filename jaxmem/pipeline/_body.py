@@ -595,16 +595,20 @@ class _VocabEnds:
         self.head_name = "table" if self.split.tied else "head"
         (self.like,) = jax.tree.leaves(run.x_like)
 
-    def total(self, x, op: str):
-        """``x`` reduced over the pipe ranks (``op``: ``max`` or ``sum``), varying again."""
+    def total(self, x):
+        """``x`` summed over the pipe ranks, varying again."""
         if self.run.body.widen_sums and jnp.dtype(x.dtype).itemsize < 4:
-            return self.total(x.astype(jnp.float32), op).astype(x.dtype)
-        return vary(jax.lax.pmax(x, "pipe") if op == "max" else jax.lax.psum(x, "pipe"))
+            return self.total(x.astype(jnp.float32)).astype(x.dtype)
+        return vary(jax.lax.psum(x, "pipe"))
+
+    def gather(self, x):
+        """Every rank's ``x``, stacked over the pipe ranks (``[ranks, *x.shape]``), varying again."""
+        return vary(jax.lax.all_gather(x, "pipe"))
 
     def from_rank(self, rank: int, message):
         """``message`` as ``rank`` has it, on every rank."""
         mine = self.pipe_index == rank
-        return jax.tree.map(lambda m: self.total(jnp.where(mine, m, jnp.zeros_like(m)), "sum"), message)
+        return jax.tree.map(lambda m: self.total(jnp.where(mine, m, jnp.zeros_like(m))), message)
 
     def lookup(self, table, mb_index):
         tokens = self.run.read(self.batch, jnp.maximum(mb_index, 0))["tokens"]
@@ -615,7 +619,7 @@ class _VocabEnds:
         like = self.like
 
         def rows(_):
-            return self.total(self.lookup(self.vocab["table"], mb_index), "sum").astype(like.dtype)
+            return self.total(self.lookup(self.vocab["table"], mb_index)).astype(like.dtype)
 
         looked = jax.lax.cond(mb_index >= 0, rows, lambda _: like, None)
         use = (self.pipe_index == self.first_rank) & (mb_index >= 0)
@@ -661,9 +665,9 @@ class _VocabEnds:
         def run(acc):
             h, micro, offset, mask, project = self.head_slice(message, mb_index)
             logits, pull = jax.vjp(project, self.vocab[self.head_name], h)
-            loss, dlogits = _vocab.cross_entropy_parts(logits, micro["targets"], offset, mask, self.total)
+            loss, dlogits = _vocab.cross_entropy_parts(logits, micro["targets"], offset, mask, self.gather)
             d_w, d_h = pull(dlogits * ct_scale)
-            d_h = self.total(d_h, "sum").astype(like.dtype)
+            d_h = self.total(d_h).astype(like.dtype)
             sums = (vary(jnp.sum(loss * mask)), vary(jnp.sum(mask)))
             return vary(acc + d_w.astype(acc.dtype)), d_h, sums
 
@@ -683,7 +687,7 @@ class _VocabEnds:
         def run(_):
             h, micro, offset, mask, project = self.head_slice(message, mb_index)
             loss, _ = _vocab.cross_entropy_parts(
-                project(self.vocab[self.head_name], h), micro["targets"], offset, mask, self.total
+                project(self.vocab[self.head_name], h), micro["targets"], offset, mask, self.gather
             )
             return vary(jnp.sum(loss * mask)), vary(jnp.sum(mask))
 

@@ -99,19 +99,25 @@ def head_slice(head, h, offset, vocab_size: int, dtype, softcap):
     return jnp.where(ids < vocab_size, logits, _MASKED)
 
 
-def cross_entropy_parts(logits, targets, offset, mask, total):
-    """Per-token softmax cross-entropy of logits cut over ``pipe`` (``total``: ``(x, op) -> x`` reduced
-    over it, ``op`` in ``"max"``/``"sum"``), and its gradient w.r.t. this rank's logits for the
-    cotangent ``mask`` of each token's loss: ``(loss [.., seq], dlogits)``."""
-    top = total(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), "max")
-    exps = jnp.exp(logits - top[..., None])
-    denominator = total(jnp.sum(exps, axis=-1), "sum")
+def cross_entropy_parts(logits, targets, offset, mask, gather):
+    """Per-token softmax cross-entropy of logits cut over ``pipe``, and its gradient w.r.t. this rank's
+    logits for the cotangent ``mask`` of each token's loss: ``(loss [.., seq], dlogits)``.
+
+    ``gather``: ``x -> [ranks, *x.shape]``, every rank's ``x``. Each rank reduces its own slice to a
+    log-sum-exp (shifted by its own maximum, so it is stable) and its target's logit (0 where another
+    rank holds the target), and ONE gather of the two gives every rank the whole vocabulary's: the
+    global log-sum-exp of the ranks' log-sum-exps, and the target logit summed. (A maximum, a sum of
+    exponentials and a sum of the targets over the ranks took three collectives in a row, each a
+    barrier of every rank in the tick that reaches the head.)"""
     local = targets - offset
     held = (local >= 0) & (local < logits.shape[-1])
     index = jnp.clip(local, 0, logits.shape[-1] - 1)
     picked = jnp.where(held, jnp.take_along_axis(logits, index[..., None], axis=-1)[..., 0], 0.0)
-    target = total(picked, "sum")
-    loss = jnp.log(denominator) + top - target
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    exps = jnp.exp(logits - top[..., None])
+    parts = gather(jnp.stack([top + jnp.log(jnp.sum(exps, axis=-1)), picked]))
+    lse = jax.nn.logsumexp(parts[:, 0], axis=0)
+    loss = lse - jnp.sum(parts[:, 1], axis=0)
     onehot = jax.nn.one_hot(index, logits.shape[-1], dtype=logits.dtype) * held[..., None]
-    dlogits = mask[..., None] * (exps / denominator[..., None] - onehot)
+    dlogits = mask[..., None] * (exps * jnp.exp(top - lse)[..., None] - onehot)
     return loss, dlogits
