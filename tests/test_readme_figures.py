@@ -423,3 +423,34 @@ def test_the_papers_layout_figures_match_their_records():
         m32, m16, ("1F1B", "1F1B + full recompute", "1F1B + full recompute, optimizer", "ChronosPipe (same floor)")
     ):
         assert f"| {name}" in README and f"| {a} | {ra} | {b} | {rb} |" in README, name
+
+
+def test_the_one_thread_planner_and_policy_reruns_match_their_records():
+    text = README.replace("\n  ", " ").replace("\n", " ")
+    record = _record("plan_ranking_one_thread.json")
+    pct = lambda x: f"{round(100 * x)}%"  # noqa: E731
+    shipped, fitted, every = record["holdout_with_shipped"], record["holdout_with_fitted"], record["all_with_shipped"]
+    said = f"With the shipped constants: holdout mean error {pct(shipped['mean_abs_error'])}, worst "
+    said += f"{pct(shipped['worst_error'])} (interleaved-1F1B P=4 M=32, predicted slower than it ran), Spearman "
+    said += f"{shipped['spearman']:.2f}; all 21 configurations mean {pct(every['mean_abs_error'])}, worst "
+    said += f"{pct(every['worst_error'])}, Spearman {every['spearman']:.2f}"
+    assert said in text, said
+    f = record["fitted"]
+    said = f"(`tick_flops={f['tick_flops']:.1e}, imbalance={f['imbalance']:.2f}, stash_flops_per_byte="
+    said += (
+        f"{f['stash_flops_per_byte']:.1f}`) does better out of sample (holdout mean {pct(fitted['mean_abs_error'])}, "
+    )
+    said += f"worst {pct(fitted['worst_error'])}, Spearman {fitted['spearman']:.2f})"
+    said = said.replace("e+07", "e7")
+    assert said in text, said
+    rounds = {r["config"]: r["measured_per_round"] for r in record["rows"]}
+    moved = max(rounds, key=lambda c: max(rounds[c]) / min(rounds[c]))
+    spread = rounds[moved]
+    assert moved == "interleaved-1f1b P=2 D=1 M=8 V=2"
+    assert f"({spread[0]:.3f} s, then {spread[1]:.3f} s: {max(spread) / min(spread):.2f}x)" in text
+    times = _record("policy_times_one_thread.json")
+    median = {(r["seq_len"], r["policy"]): r["step_seconds_median"] for r in times["rows"] if "policy" in r}
+    for seq in (64, 128):
+        said = f"seq {seq} " + " / ".join(f"{median[(seq, p)]:.3f}" for p in ("save-all", "selective", "recompute-all"))
+        assert said in text, said
+    assert times["fastest"]["64"] == "recompute-all" and times["fastest"]["128"] == "selective"
