@@ -57,6 +57,39 @@ def test_gradients_elementwise_against_plain_grad_tied_head_uneven_split():
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_the_split_cross_entropy_is_the_whole_vocabularys(scale):
+    """Each rank's slice reduced to a log-sum-exp and a target logit, gathered once, gives the whole
+    vocabulary's loss and gradient: with large logits (each slice shifted by its own maximum) and a
+    last slice that is all padding (the masked columns' logits)."""
+    from jaxmem.pipeline import _vocab
+
+    ranks, rows, vocab = 4, 6, 17  # 4 x 6 = 24 columns: the 3rd slice ends in padding, the 4th is all padding
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 3, vocab)) * scale, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, vocab, size=(2, 3)))
+    mask = jnp.asarray(rng.integers(0, 2, size=(2, 3)), jnp.float32)
+    padded = jnp.concatenate([logits, jnp.full((2, 3, ranks * rows - vocab), _vocab._MASKED)], axis=-1)
+    slices = [padded[..., r * rows : (r + 1) * rows] for r in range(ranks)]
+    parts = []
+    for r in range(ranks):  # each rank's part of the one gather
+        _vocab.cross_entropy_parts(
+            slices[r], targets, r * rows, mask, lambda x: parts.append(x) or jnp.stack([x] * ranks)
+        )
+    gathered = jnp.stack(parts)
+    results = [_vocab.cross_entropy_parts(slices[r], targets, r * rows, mask, lambda _: gathered) for r in range(ranks)]
+
+    whole_loss = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+    whole_grad = jax.grad(
+        lambda z: jnp.sum(mask * -jnp.take_along_axis(jax.nn.log_softmax(z), targets[..., None], -1)[..., 0])
+    )(logits)
+    grad = jnp.concatenate([d for _, d in results], axis=-1)
+    for loss, _ in results:
+        np.testing.assert_allclose(loss, whole_loss, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(grad[..., :vocab], whole_grad, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(grad[..., vocab:]) == 0) and np.all(np.isfinite(np.asarray(grad)))
+
+
 @pytest.mark.parametrize("csv", ["torch_zbv_p4_m8_compute.csv", "torch_interleaved1f1b_p4_m8_compute_comms.csv"])
 def test_torch_csv_schedules_verify(csv):
     from pathlib import Path
