@@ -13,6 +13,7 @@ from jaxmem._errors import JaxmemError, setting
 __all__ = [
     "LAUNCHER_ENV",
     "SETTINGS_ENV",
+    "cpu_cores",
     "die_with_launcher",
     "human_bytes",
     "import_named",
@@ -112,6 +113,11 @@ def parse_bytes(text: str, name: str = "budget") -> float:
 ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def with_host_devices(flags: str, count: int, cores: int | None = None) -> str:
     """``XLA_FLAGS`` text asking for ``count`` virtual host (CPU) devices, the other flags kept as given
     (a user's own XLA flags must reach the processes a launcher starts).
@@ -123,9 +129,9 @@ def with_host_devices(flags: str, count: int, cores: int | None = None) -> str:
     machine with 4 devices: the plain data-parallel step the same, the pipelined steps' ratio to it a
     median 3% lower over ``benchmarks/overhead.py``'s grid (README "What a tick costs")."""
     kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if count >= cores and not any(f.startswith(ONE_THREAD_PER_DEVICE.split("=")[0]) for f in kept):
+    if count >= (cpu_cores() if cores is None else cores) and not any(
+        f.startswith(ONE_THREAD_PER_DEVICE.split("=")[0]) for f in kept
+    ):
         kept.append(ONE_THREAD_PER_DEVICE)
     return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
 

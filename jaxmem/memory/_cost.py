@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import numpy as np
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import cpu_cores
 from jaxmem.schedule import Action, Costs, Kind, Schedule, SimulationResult, simulate
 
 
@@ -810,11 +810,6 @@ def shared_core_step_seconds(
     ticks, even, excess = shared_core_terms(schedule, costs, data_parallel, cores)
     c = constants
     return (c.step_flops + ticks * c.tick_flops) / rate + even + c.imbalance * excess
-
-
-def cpu_cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _active_counts(counts, drop_layers) -> list[int]:
