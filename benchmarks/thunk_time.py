@@ -42,7 +42,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jaxmem._util import with_host_devices  # noqa: E402  (imports no JAX)
+from jaxmem._util import cpu_cores, with_host_devices  # noqa: E402  (imports no JAX)
 
 # 8 virtual devices, as the CLI asks for them: on fewer cores, each runs its kernels on one thread.
 os.environ.setdefault("XLA_FLAGS", with_host_devices("", 8))
@@ -299,7 +299,7 @@ def main(argv=None):
         file=sys.stderr,
         flush=True,
     )
-    cores, rows, plain_cpu = os.cpu_count() or 1, [], None
+    cores, rows, plain_cpu = cpu_cores(), [], None
     for variant in variants:
         if variant is None:
             compiled, run, state, batches, _ = plain_step("tiny", 64, 64, layers=args.layers, d_model=args.d_model)
