@@ -191,7 +191,7 @@ def _update_overlap_bound(config, schedule, policy, counts, e, hardware, tensor=
     Each rank's link takes its stages in the order best for each reading. The exposed seconds are
     what no compute hides, the worst rank's. A bound for the best such an
     executor could do, not a prediction of one."""
-    from jaxmem.memory import stage_update_seconds
+    from jaxmem.memory import stage_update_seconds, state_transfer_seconds
     from jaxmem.models import get_model
     from jaxmem.policy import resolve
 
@@ -218,10 +218,9 @@ def _update_overlap_bound(config, schedule, policy, counts, e, hardware, tensor=
         exposed["in_step"] = max(exposed["in_step"], min(late[0] for late in lates))
         exposed["deferred"] = max(exposed["deferred"], min(late[1] for late in lates))
     return {
-        # The traffic itself (not e.state_transfer_seconds, which --update-hidden prices at zero).
-        "after_the_loop_seconds": max(
-            sum(seconds[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks)
-        ),
+        # The traffic itself, from the package's name for the function: --update-hidden replaces only
+        # the one estimate() reads (jaxmem.memory._cost's), so e.state_transfer_seconds is zero then.
+        "after_the_loop_seconds": state_transfer_seconds(config, schedule, resolved, counts, hardware, tensor=tensor),
         "exposed_seconds_streamed_in_step": exposed["in_step"],
         "exposed_seconds_streamed_deferred": exposed["deferred"],
         "tick_loop_seconds": makespan,
