@@ -13,14 +13,19 @@ from jaxmem._errors import JaxmemError, setting
 __all__ = [
     "LAUNCHER_ENV",
     "SETTINGS_ENV",
+    "compiled_bytes",
+    "compiled_platform",
+    "compiled_temp_bytes",
     "cpu_cores",
     "die_with_launcher",
+    "first_device",
     "human_bytes",
     "import_named",
     "launch_settings",
     "load_toml",
     "parse_bytes",
     "parse_int_list",
+    "platform_of",
     "tree_with",
     "tree_without",
     "with_host_devices",
@@ -239,10 +244,80 @@ def tree_bytes(tree) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def compiled_bytes(compiled) -> int:
-    """Device bytes of a compiled program: ``memory_analysis()``'s arguments + temporaries + outputs,
-    less what outputs alias from arguments (the ledger's, the profiler's and ROAM's one figure)."""
+def first_device(devices):
+    """The first device of ``devices``: a list, a mesh's device array, a mesh, or a device."""
+    if hasattr(devices, "devices") and not callable(devices.devices):  # a Mesh
+        devices = devices.devices
+    if hasattr(devices, "flat"):
+        return next(iter(devices.flat))
+    if isinstance(devices, (list, tuple)):
+        return devices[0]
+    return devices
+
+
+def platform_of(devices) -> str:
+    """``cpu``, ``gpu`` or ``tpu``: the platform of ``devices`` (see :func:`first_device`), as a
+    program compiled for them sees it -- which need not be this process's default backend (a
+    program compiled for a target's compile-only devices, :mod:`jaxmem.targets`)."""
+    platform = str(first_device(devices).platform).lower()
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def compiled_platform(compiled) -> str:
+    """The platform a compiled program was built for: its input shardings' devices (the default
+    backend's for a program without inputs)."""
+    import jax
+
+    try:
+        shardings = jax.tree.leaves(compiled.input_shardings, is_leaf=lambda x: hasattr(x, "device_set"))
+        for sharding in shardings:
+            if hasattr(sharding, "device_set"):
+                return platform_of(min(sharding.device_set, key=lambda d: d.id))
+    except Exception:  # noqa: BLE001 -- an executable that does not say
+        pass
+    return platform_of(jax.devices())
+
+
+def compiled_temp_bytes(compiled) -> int:
+    """The temporaries of a compiled program beyond its arguments and outputs, as its target's compiler
+    counts them: on TPU its peak less the arguments and outputs it holds (its ``temp_size_in_bytes``
+    can be 0 for a program of small temporaries kept apart, or above the peak for one of many);
+    elsewhere ``temp_size_in_bytes``."""
     analysis = compiled.memory_analysis()
+    peak = _tpu_device_peak(compiled, analysis)
+    if peak is not None:
+        held = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+        return int(max(0, peak - held))
+    return int(analysis.temp_size_in_bytes)
+
+
+def _tpu_device_peak(compiled, analysis) -> int | None:
+    """A TPU program's peak in device memory: ``peak_memory_in_bytes`` counts its host buffers too
+    (a program holding 2 MiB of arguments and a 1 MiB host buffer peaks at 3 MiB), so they are taken
+    out. None off TPU."""
+    peak = getattr(analysis, "peak_memory_in_bytes", 0)
+    if not peak or compiled_platform(compiled) != "tpu":
+        return None
+    host = (
+        analysis.host_argument_size_in_bytes
+        + analysis.host_temp_size_in_bytes
+        + analysis.host_output_size_in_bytes
+        - analysis.host_alias_size_in_bytes
+    )
+    return int(max(0, peak - host))
+
+
+def compiled_bytes(compiled) -> int:
+    """Device bytes of a compiled program, as its target's compiler counts them (the ledger's, the
+    profiler's and ROAM's one figure): on TPU ``memory_analysis()``'s ``peak_memory_in_bytes`` less
+    its host buffers, the figure the TPU compiler checks against HBM (its out-of-memory error quotes
+    it; its ``temp_size_in_bytes`` leaves out temporaries it keeps elsewhere, so arguments +
+    temporaries + outputs can be below or above it); elsewhere the arguments + temporaries +
+    outputs, less what outputs alias from arguments (on GPU, its peak less its host buffers)."""
+    analysis = compiled.memory_analysis()
+    peak = _tpu_device_peak(compiled, analysis)
+    if peak is not None:
+        return peak
     return int(
         analysis.argument_size_in_bytes
         + analysis.temp_size_in_bytes

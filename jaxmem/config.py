@@ -199,7 +199,13 @@ class TrainConfig:
             devices are all here (each pick is compiled and checked, the next taken when it does not
             fit), else :data:`~jaxmem.search.LEDGER_MARGIN`, the ledger's measured error.
         hardware: hardware profile for the planner, the profiler and a generated policy (``auto``:
-            measured here on CPU, h100 on GPU, tpu-v5p on TPU).
+            the target's when ``target`` is set; else measured here on CPU, h100 on GPU, tpu-v5p on TPU).
+        target: the accelerator the run is compiled for (:mod:`jaxmem.targets`): ``h100``, ``tpu-v5e``,
+            ``tpu-v5p``, ``tpu-v6e``, ``tpu-v4`` with a device count or topology (``h100:16``,
+            ``tpu-v5p:4x4x4``), or ``cpu`` (the devices at hand; the default). The ledger's working
+            sets and layouts, a generated policy and ``plan="auto"``'s checks are then the target's
+            compiler's, and its hardware profile is the target's. Where the target's devices are not
+            attached, the step is compiled for them and not run.
         adaptive: run under the online profiler (``jaxmem.profiler``), which picks a memory policy per
             program signature within ``budget``.
         seq_len_schedule: sequence-length buckets for an adaptive run (each at most ``seq_len``).
@@ -262,6 +268,7 @@ class TrainConfig:
     budget: float | None = None
     margin: float | None = None
     hardware: str = "auto"
+    target: str | None = None
     adaptive: bool = False
     seq_len_schedule: tuple[int, ...] | None = None
     seq_len_order: str = "cycle"
@@ -313,11 +320,11 @@ class TrainConfig:
                 f"program); drop {_s('run_dir')} or {_s('adaptive')}"
             )
         generated = self.policy in GENERATED_POLICIES
-        if self.budget and not (self.plan or self.adaptive or self.run_dir or generated):
+        if self.budget and not (self.plan or self.adaptive or self.run_dir or generated or self.target):
             raise JaxmemError(
                 f"{_s('budget')} is used by {_s('plan', 'auto')}, {_s('adaptive')} and a generated {_s('policy')} "
                 f"(chronos-recomp, chronos-offload, chronos-both), and shown beside the compiled bytes in "
-                f"{_s('run_dir')} metrics; set one of them, or drop {_s('budget')}"
+                f"{_s('run_dir')} metrics and a {_s('target')}'s compiled step; set one of them, or drop {_s('budget')}"
             )
         if generated and not self.budget:
             raise JaxmemError(
@@ -378,6 +385,17 @@ class TrainConfig:
 
             if str(self.hardware).strip().lower() not in HARDWARE:
                 raise JaxmemError(f"unknown {_s('hardware', self.hardware)}; profiles: {', '.join(HARDWARE)} (or auto)")
+        if self.target is not None:
+            from jaxmem.targets import parse_target
+
+            target = parse_target(self.target)  # a bad name fails here, before any work
+            object.__setattr__(self, "target", str(target))
+            hardware = str(self.hardware).strip().lower()
+            if hardware not in ("auto", target.name):
+                raise JaxmemError(
+                    f"{_s('hardware', self.hardware)} and {_s('target', self.target)} name two machines: the target's "
+                    f"hardware profile is {target.name}. Drop {_s('hardware')}"
+                )
         if self.data_field != "text" and self.data in ("synthetic", "text"):
             raise JaxmemError(
                 f"{_s('data_field', self.data_field)} names a column of JSONL, Parquet or Hugging Face data; "
@@ -419,6 +437,14 @@ class TrainConfig:
                 f"{_s('init_from')}: {path} describes model_type {kind!r}; jaxmem starts from Hugging Face gpt2 "
                 "(GPT2LMHeadModel) and llama (LlamaForCausalLM) directories"
             )
+
+    def compile_target(self):
+        """The :class:`~jaxmem.targets.Target` the run is compiled for when it is not the devices at hand
+        (None for the default and for ``cpu``)."""
+        from jaxmem.targets import parse_target
+
+        target = parse_target(self.target)
+        return target if target is not None and target.compile_only else None
 
     @property
     def vocab_parallel(self) -> bool | None:
@@ -521,6 +547,7 @@ class TrainConfig:
             hardware=self.hardware_profile(),
             split_backward=self.split_backward,
             hand_recomputed=self.hand_recomputed,
+            target=self.target,
         )
         if not candidate.fits:
             raise JaxmemError(
@@ -531,10 +558,12 @@ class TrainConfig:
         return candidate.policy
 
     def hardware_profile(self) -> str:
-        """The hardware profile's name: ``hardware``, or for ``auto`` the one of this platform (the
-        CPU's is calibrated here; imports JAX)."""
+        """The hardware profile's name: ``hardware``, or for ``auto`` the target's, else the one of this
+        platform (the CPU's is calibrated here; imports JAX)."""
         if self.hardware != "auto":
             return self.hardware
+        if self.target is not None:
+            return self.target.partition(":")[0]
         import jax
 
         return {"gpu": "h100", "tpu": "tpu-v5p"}.get(jax.devices()[0].platform, "cpu")

@@ -48,12 +48,15 @@ CASES = [
     (["train", "--tensor", "0"], "--tensor must be an integer >= 1, got 0"),
     (["verify", "--mesh", "pipe=2,tensr=2"], "tensr"),
     (["train", "--layers-per-stage", "0,0,0,8"], "leaves a stage without layers"),
-    (["train", "--hardware", "nosuch"], "unknown --hardware nosuch; profiles: h100, tpu-v5p, cpu"),
+    (
+        ["train", "--hardware", "nosuch"],
+        "unknown --hardware nosuch; profiles: h100, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu",
+    ),
     (["train", "--data-field", "nosuchfield"], "--data text has no columns. Drop --data-field"),
     (["schedule", "simulate", "1f1b", "--cost-f", "0", "--cost-i", "0", "--cost-w", "0"], "are all 0"),
     (["schedule", "simulate", "1f1b", "--pipe", "100000", "--microbatches", "100000"], "use fewer stages"),
     (["plan", "--mesh", "pipe=2,tensor=2", "--devices", "8", "--budget", "1GiB"], "--mesh takes 4 devices"),
-    (["plan", "--budget", "1GiB"], "say how many devices to plan for: --devices N, or a mesh with --mesh"),
+    (["plan", "--budget", "1GiB"], "say how many devices to plan for: --devices N, a mesh with --mesh"),
     (["sample", "no-such-export", "--tokens", "1000000"], "--tokens 1,000,000 is more than 100,000"),
     (["elastic"], "jaxmem elastic needs an action; see jaxmem elastic --help"),
     # The policy and schedule are resolved with the settings, before the data (here missing) is read.

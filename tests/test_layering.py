@@ -21,6 +21,7 @@ FLOORS = {
     "_errors": 0,
     "layout": 0,
     "_util": 0.5,
+    "targets": 0.6,  # compile targets: compile-only devices of an accelerator (JAX imported when asked)
     "schedule": 1,
     "data": 1,
     "policy": 2,
@@ -41,7 +42,7 @@ FLOORS = {
 # Imported by the CLI before it sets the device count: JAX must not start here (XLA_FLAGS would come
 # too late), nor in `import jaxmem` itself.
 LIGHT = ("jaxmem", "jaxmem.schedule", "jaxmem.policy", "jaxmem.config", "jaxmem.data", "jaxmem.search",
-         "jaxmem.memory", "jaxmem.cli", "jaxmem._util", "jaxmem.layout")  # fmt: skip
+         "jaxmem.memory", "jaxmem.cli", "jaxmem._util", "jaxmem.layout", "jaxmem.targets")  # fmt: skip
 
 
 def _type_checking_lines(tree) -> set[int]:

@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         # A command of several actions, given none: one line, not the whole usage.
         print(f"error: jaxmem {args.command} needs an action; see jaxmem {args.command} --help", file=sys.stderr)
         return 2
+    from jaxmem.cli._common import prefer_cpu_when_alone
+
+    prefer_cpu_when_alone()
     try:
         with settings_phrased_by(flag):  # the library's errors name its settings by their flags
             return int(args.run(args) or 0)

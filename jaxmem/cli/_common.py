@@ -80,6 +80,17 @@ def add_attention_argument(p) -> None:
     )
 
 
+def add_target_argument(p, what: str) -> None:
+    """``--target``: the accelerator a command compiles for (:mod:`jaxmem.targets`)."""
+    p.add_argument(
+        "--target",
+        metavar="TARGET",
+        help=f"the accelerator {what}: h100, tpu-v5e, tpu-v5p, tpu-v6e or tpu-v4, with :COUNT or :TOPOLOGY "
+        "(h100:16, tpu-v5p:4x4x4), compiled for here with no device present (pip install 'jaxmem[cuda]' or "
+        "'jaxmem[tpu]'); or cpu, the devices at hand (default). Its hardware profile is --hardware's",
+    )
+
+
 def model_overrides(args) -> dict:
     """The model config fields the model flags set (``--dtype``, ``--param-dtype``, ``--attention``)."""
     fields = {"dtype": "dtype", "param_dtype": "param_dtype", "attention": "attention"}
@@ -146,6 +157,25 @@ def resolve_mesh(args, pipe: int = 4) -> None:
     args.fsdp = args.fsdp or 1
     args.tensor = args.tensor or 1
     args.pipe = args.pipe or pipe
+
+
+def no_accelerator_here() -> bool:
+    """Whether this machine shows no accelerator: no TPU chip among its PCI devices (Google's vendor
+    id, as JAX's own check reads it), no NVIDIA or AMD device file. Read without importing JAX."""
+    from jaxmem.targets import tpu_chips_here
+
+    if tpu_chips_here():
+        return False
+    return not any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd"))
+
+
+def prefer_cpu_when_alone() -> None:
+    """On a machine with no accelerator, JAX starts on the CPU only (``JAX_PLATFORMS=cpu``, unless the
+    environment sets it): with a target's compiler installed (``jaxmem[tpu]``), JAX would otherwise try
+    to start a TPU runtime first, which prints several lines of start-up errors and takes seconds
+    before falling back to the CPU. Compiling for a target needs no runtime (:mod:`jaxmem.targets`)."""
+    if "JAX_PLATFORMS" not in os.environ and "jax" not in sys.modules and no_accelerator_here():
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def setup_devices(count: int | None) -> None:

@@ -7,7 +7,7 @@ The library names its settings by field (``warmup_steps``); here they become fla
 from __future__ import annotations
 
 from jaxmem._errors import JaxmemError
-from jaxmem.cli._common import mesh_settings
+from jaxmem.cli._common import add_target_argument, mesh_settings
 from jaxmem.cli._flags import flag
 from jaxmem.config import TrainConfig, config_from, load_settings
 
@@ -149,7 +149,12 @@ def add_arguments(p) -> None:
     g.add_argument(
         "--hardware",
         help="profile of --plan auto, --adaptive, a chronos-* --policy and the MFU in --run-dir metrics: h100, "
-        "tpu-v5p or cpu (default: this platform's; measured here on CPU)",
+        "tpu-v5e, tpu-v5p, tpu-v6e, tpu-v4 or cpu (default: --target's, else this platform's; measured here on CPU)",
+    )
+    add_target_argument(
+        g,
+        "the run is compiled for; where its devices are not attached, the step is compiled "
+        "for them and its memory shown, and nothing is trained",
     )
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", help="save here and resume from the latest complete checkpoint")

@@ -9,6 +9,7 @@ from jaxmem._util import parse_bytes
 from jaxmem.cli._common import (
     add_attention_argument,
     add_mesh_arguments,
+    add_target_argument,
     check_output_file,
     positive_int,
     print_json,
@@ -23,13 +24,17 @@ examples:
   jaxmem memory --schedule interleaved-1f1b --virtual 2 --policy selective -o ledger.png
   jaxmem memory --model llama-tiny --dtype bfloat16 --policy selective
   jaxmem memory --model gpt2-xl --pipe 8 --microbatches 16 --batch-size 16 --seq-len 1024 --compile no
+  jaxmem memory --model gpt2-small --dtype bfloat16 --seq-len 512 --batch-size 16 --target tpu-v5e
+  jaxmem memory --policy offload-stash --dtype bfloat16 --target h100      # compiled for 4 H100s, here
 
 Policies: save-all, recompute-all, selective, offload-stash, offload-weights, offload-optimizer-state,
 offload-tags, or a TOML file (see README). "predicted" comes from the model's facts -- its traced
 residuals and cost_analysis() FLOPs (the GPT: its closed form) -- without compiling the step;
 "compiled" from the jitted train step's memory_analysis() and the program's residuals and array
 memory kinds. On CPU, host offload is not lowered: offloaded bytes are proved structurally and their
-device saving is predicted."""
+device saving is predicted. With --target, both columns are the target's compiler's: the stage
+backwards the prediction reads and the whole step are compiled for its devices on this machine, with
+none present (a TPU's figure is its compiler's peak, the one it checks against HBM)."""
 
 
 def add_parser(sub) -> None:
@@ -62,9 +67,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--hardware",
         default="auto",
-        help="the profile a chronos-* policy is priced on: h100, tpu-v5p, cpu (measured here), or auto (this "
-        "platform's; default)",
+        help="the profile a chronos-* policy is priced on: h100, tpu-v5e, tpu-v5p, tpu-v6e, tpu-v4, cpu (measured "
+        "here), or auto (--target's, else this platform's; default)",
     )
+    add_target_argument(p, "the step is compiled for")
     p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default 32)")
     p.add_argument("--seq-len", type=positive_int, default=64, help="sequence length (default 64)")
     add_mesh_arguments(p)
@@ -82,7 +88,8 @@ def add_parser(sub) -> None:
         "--compile",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="compile the step for the compiled column (auto: when it needs < 2 GiB in all)",
+        help="compile the step for the compiled column (auto: for a --target always, here when it needs < 2 GiB "
+        "in all)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -105,6 +112,7 @@ def _config(args, budget=None):
     return TrainConfig(
         budget=budget if args.policy in GENERATED_POLICIES else None,
         hardware=args.hardware,
+        target=args.target,
         model=args.model,
         dtype=args.dtype,
         param_dtype=args.param_dtype,
@@ -136,6 +144,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
     schedule = config.build_schedule()
     policy = config.build_policy(model, schedule)
     config = dataclasses.replace(config, policy=policy, budget=None)
+    target = config.compile_target()
     predicted = predict(
         model,
         schedule,
@@ -150,12 +159,17 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
         layer_counts=config.layers_per_stage,
         split_backward=config.split_backward,
         hand_recomputed=config.hand_recomputed,
+        target=target,
     )
     devices = config.num_devices
     small = predicted.max_device_bytes * devices < 2 * 2**30
-    if compile_mode == "yes" or (compile_mode == "auto" and small):
+    if compile_mode == "yes" or (compile_mode == "auto" and (small or target is not None)):
+        import sys
+
         from jaxmem.train import Trainer
 
+        if target is not None:
+            print(f"compiling the step for {target.with_devices(devices)} (no device present)...", file=sys.stderr)
         report = compare(predicted, Trainer(config).measure_memory())
     else:
         report = {
@@ -185,6 +199,7 @@ def ledger_report(config, compile_mode: str = "auto") -> dict:
             "notes": ["not compiled (--compile no, or too large for this machine): predicted figures only"],
         }
     report["model"] = model.name
+    report["target"] = "cpu" if target is None else str(target.with_devices(devices))
     return report
 
 
@@ -210,6 +225,7 @@ def print_table(report: dict) -> None:
         f"[bold]{report['model']}[/bold], {report['schedule']} (P={meta['ranks_count']}, stages={meta['stages']}, "
         f"M={meta['microbatches']}, microbatch {meta['microbatch_size']} x {meta['seq_len']}), policy "
         f"[bold]{report['policy']}[/bold]"
+        + (f", compiled for [bold]{report['target']}[/bold]" if report.get("target", "cpu") != "cpu" else "")
     )
     first = report["ranks"][0]["categories"]
     table = Table(title="every rank allocates (MiB)")

@@ -6,6 +6,7 @@ import argparse
 
 from jaxmem.cli._common import (
     add_attention_argument,
+    add_target_argument,
     model_overrides,
     parse_bytes,
     positive_float,
@@ -20,6 +21,7 @@ examples:
   jaxmem plan --model tiny --devices 4 --budget 12MiB --hardware cpu --batch-size 32 --seq-len 64
   jaxmem plan --model llama-8b --dtype bfloat16 --devices 16 --budget 40GiB --seq-len 4096
   jaxmem plan --model llama-8b --dtype bfloat16 --mesh data=2,pipe=4,tensor=2 --budget 40GiB --seq-len 4096
+  jaxmem plan --model llama-8b --dtype bfloat16 --target h100:16 --budget 40GiB --seq-len 4096
   jaxmem train --plan auto --budget 12MiB          # plan, then train with the pick
 
 Searches meshes of the devices (pipeline sizes, a tensor split of each pipe rank's devices into 1, 2,
@@ -35,11 +37,17 @@ machine), and returns the fastest that fits. The optimizer state is sharded over
 and the vocabulary over the pipe ranks; communication is priced on the profile's links. MFU = the
 model's FLOPs per token (forward and backward, recompute not counted) x tokens/s / (devices x peak).
 A model's residuals and FLOPs are traced abstractly (the GPT presets use their closed form) and one
-stage's backward is compiled alone for its working set; the whole step is not compiled, except with
---hardware cpu and the devices here: then the fastest picks are compiled in turn and the first whose
-memory_analysis() fits is taken, saying which were passed over. Elsewhere the plan keeps a margin
-for the ledger's error free (--margin; default 0.05, its measured band). Exit code 1 when nothing
-fits, with the smallest budget that would."""
+stage's backward is compiled alone for its working set -- by XLA:CPU, or with --target by the
+target's own compiler, here, with no device present. With --target (or --hardware cpu and the
+devices here) the fastest picks are then compiled whole in turn and the first whose memory_analysis()
+fits is taken, saying which were passed over; elsewhere the plan keeps a margin for the ledger's
+error free (--margin; default 0.05, its measured band). Exit code 1 when nothing fits, with the
+smallest budget that would.
+
+Notation: P pipe ranks, V stages per rank (interleaved), D data-parallel replicas holding whole
+parameters, F FSDP replicas holding a shard of each, T tensor-parallel devices, M microbatches;
+the policy is a preset (save-all, selective, recompute-all, offload-*) or chronos-recomp /
+chronos-offload / chronos-both, generated for the layout under the budget."""
 
 
 def add_parser(sub) -> None:
@@ -66,7 +74,12 @@ def add_parser(sub) -> None:
         "schedules, microbatches and policies are still searched",
     )
     p.add_argument("--budget", required=True, help="device memory per device, e.g. 24GiB, 512MiB, 8e9")
-    p.add_argument("--hardware", default="h100", help="h100 (default), tpu-v5p, or cpu (measured here)")
+    p.add_argument(
+        "--hardware",
+        help="hardware profile: h100 (default without --target), tpu-v5e, tpu-v5p, tpu-v6e, tpu-v4, or cpu "
+        "(measured here); --target's by default",
+    )
+    add_target_argument(p, "the plan is for (its devices: --devices, or the target's count)")
     p.add_argument("--host-bandwidth", type=positive_float, help="host link GB/s per device (overrides the profile)")
     p.add_argument("--batch-size", type=positive_int, help="global batch (default: 32 for tiny, 4 x devices otherwise)")
     p.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's maximum)")
@@ -93,6 +106,7 @@ def make_plan(
     progress: bool = True,
     mesh: dict | None = None,
     margin: float | None = None,
+    target=None,
     **overrides,
 ):
     """Run the configuration search for a model (a preset name, config or StagedModel); ``mesh``
@@ -108,6 +122,7 @@ def make_plan(
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
     from jaxmem.search import LEDGER_MARGIN, confirm, progress_lines, search
+    from jaxmem.targets import parse_target
 
     if mesh is not None:
         product = mesh["data"] * mesh["fsdp"] * mesh["pipe"] * mesh["tensor"]
@@ -118,10 +133,26 @@ def make_plan(
         if pipes:
             raise JaxmemError("--mesh sets the pipeline size; drop --pipe (or --mesh)")
         devices = product
+    if devices is None and target is not None and parse_target(target).count:
+        devices = parse_target(target).count
     if devices is None:
-        raise JaxmemError("say how many devices to plan for: --devices N, or a mesh with --mesh data=2,pipe=4")
+        raise JaxmemError(
+            "say how many devices to plan for: --devices N, a mesh with --mesh data=2,pipe=4, or a target's count "
+            "(--target h100:16)"
+        )
     if devices < 1:
         raise JaxmemError(f"--devices must be >= 1, got {devices}")
+    target = parse_target(target)
+    if target is not None and not target.compile_only:
+        target = None
+    if target is not None:
+        if hardware is not None and get_hardware(hardware).name != target.name:
+            raise JaxmemError(
+                f"--hardware {hardware} and --target {target} name two machines: the target's profile is "
+                f"{target.name}. Drop --hardware"
+            )
+        hardware = target.name
+    hardware = hardware or "h100"
     model = get_model(model, **{k: v for k, v in overrides.items() if v is not None})
     hw = get_hardware(hardware)
     if host_bandwidth:
@@ -140,6 +171,7 @@ def make_plan(
         report = progress_lines(lambda line: print(line, file=sys.stderr, flush=True))
 
     here = hw.name == "cpu" and devices <= jax.device_count()
+    checked = here or target is not None  # each pick compiled in turn, and the first that fits taken
     result = search(
         model,
         devices=devices,
@@ -150,24 +182,35 @@ def make_plan(
         pipes=pipes,
         mesh=mesh,
         progress=report,
-        margin=(0.0 if here else LEDGER_MARGIN) if margin is None else margin,
+        margin=(0.0 if checked else LEDGER_MARGIN) if margin is None else margin,
+        target=target,
     )
     if terminal:
         print(file=sys.stderr)
-    if here:
-        result = confirm(
-            result, lambda c: _compiled_bytes(model, c, batch, seq, devices), log=lambda m: print(m, file=sys.stderr)
-        )
+    if checked:
+        where = "here" if target is None else f"for {target.with_devices(devices)}, with no device present"
+
+        def compiled(c):
+            if progress:
+                print(f"compiling the pick {c.schedule} P={c.pipe} M={c.microbatches} {c.policy_name} {where}...",
+                      file=sys.stderr)  # fmt: skip
+            return _compiled_bytes(model, c, batch, seq, devices, target)
+
+        result = confirm(result, compiled, log=lambda m: print(m, file=sys.stderr))
     return result, batch, seq
 
 
-def _compiled_bytes(model, c, batch: int, seq: int, devices: int) -> float:
-    """Per-device bytes of a candidate's compiled step (nothing allocated)."""
+def _compiled_bytes(model, c, batch: int, seq: int, devices: int, target=None) -> float:
+    """Per-device bytes of a candidate's compiled step (nothing allocated), on the devices here or for a
+    target's (compile-only) devices."""
     from jaxmem._util import compiled_bytes
     from jaxmem.config import TrainConfig
     from jaxmem.train import Trainer, planned_config
 
-    config = planned_config(TrainConfig(model=model, batch_size=batch, seq_len=seq, steps=1), c, devices)
+    config = TrainConfig(
+        model=model, batch_size=batch, seq_len=seq, steps=1, target=None if target is None else str(target)
+    )
+    config = planned_config(config, c, devices)
     return compiled_bytes(Trainer(config).compile_abstract())
 
 
@@ -188,11 +231,14 @@ def run(args) -> int:
         progress=not args.json,
         mesh=mesh,
         margin=args.margin,
+        target=args.target,
         **model_overrides(args),
     )
     record = result.to_json()
     mfu = _mfu(result, batch, seq, args, result.devices)
-    command = train_command(result.best, args, batch, seq, result.planned_bytes if result.margin else None)
+    command = train_command(
+        result.best, args, batch, seq, result.planned_bytes if result.margin else None, result.hardware["name"]
+    )
     record.update({"batch_size": batch, "seq_len": seq, "mfu": mfu, "train_command": command})
     if args.json:
         print_json(record)
@@ -205,13 +251,17 @@ def run(args) -> int:
         if result.best is not None and result.best.note:
             print(f"  policy detail: {result.best.note}")
         checked = " (the pick's bytes also compiled, above)" if result.confirmed else ""
-        print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted{checked}")
+        compiler = "XLA:CPU" if result.target == "cpu" else f"{result.target}'s compiler"
+        print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted{checked}; "
+              f"working sets compiled by {compiler}")  # fmt: skip
         if command:
             print(f"to train it: {command}")
     return 0 if result.best is not None else 1
 
 
-def train_command(best, args, batch: int, seq: int, planned: float | None = None) -> str | None:
+def train_command(
+    best, args, batch: int, seq: int, planned: float | None = None, hardware: str | None = None
+) -> str | None:
     """The ``jaxmem train`` command line that runs the pick (None when nothing fits; ``planned``:
     the budget less the margin, which a generated policy was made for)."""
     if best is None:
@@ -238,7 +288,11 @@ def train_command(best, args, batch: int, seq: int, planned: float | None = None
     if best.policy_name in GENERATED_POLICIES:
         # Generated for this layout under the budget on the profile: the same inputs make the same policy.
         budget = args.budget if planned is None else f"{math.floor(planned)}"
-        words += ["--budget", budget, "--hardware", args.hardware]
+        words += ["--budget", budget]
+        if getattr(args, "target", None) is None:
+            words += ["--hardware", hardware or args.hardware]
+    if getattr(args, "target", None) is not None:
+        words += ["--target", args.target]
     return shlex.join(words)
 
 
@@ -252,4 +306,4 @@ def _mfu(result, batch: int, seq: int, args, devices: int) -> float | None:
 
     whole = model_facts(get_model(args.model, **model_overrides(args))).whole(batch, seq)
     per_token = (whole.forward_flops + whole.backward_flops - whole.recompute_flops) / (batch * seq)
-    return per_token * result.best.tokens_per_second / (devices * get_hardware(args.hardware).peak_flops)
+    return per_token * result.best.tokens_per_second / (devices * get_hardware(result.hardware["name"]).peak_flops)

@@ -75,6 +75,12 @@ def run(args) -> int:
         return 128 + int(getattr(signal, summary["interrupted"]))
     if args.json:
         print_json(summary)
+    elif summary.get("trained") is False:
+        print(
+            f"compiled for {summary['target']}: {summary['compiled_device_bytes'] / 2**30:.2f} GiB per device; "
+            "nothing trained (the target's devices are not here)"
+        )
+        return 0 if summary["fits_budget"] is not False else 1
     elif summary.get("adaptive"):
         print(
             f"done: {summary['steps']} steps, {_losses(summary)}, "

@@ -183,6 +183,28 @@ HARDWARE: dict[str, Hardware] = {
         "NVLink 4 450 GB/s per direction and one 400 Gb/s NIC per GPU, both taken at 80%, 8 GPUs a node; "
         "50% of peak assumed",
     ),
+    "tpu-v4": Hardware(
+        name="tpu-v4",
+        peak_flops=275e12,
+        hbm_bytes=32 * 2**30,
+        host_bandwidth=25e9,
+        link_bandwidth=90e9,
+        devices_per_node=4096,
+        note="TPU v4 chip: 275 TFLOP/s bf16, 32 GiB HBM2 (Google Cloud's v4 page); ICI 2,400 Gb/s a chip over six "
+        "links, a ring over one torus axis taken at two links' 100 GB/s x 0.9, a 4,096-chip pod on ICI; host link "
+        "assumed 25 GB/s; 50% of peak assumed",
+    ),
+    "tpu-v5e": Hardware(
+        name="tpu-v5e",
+        peak_flops=197e12,
+        hbm_bytes=16 * 2**30,
+        host_bandwidth=25e9,
+        link_bandwidth=90e9,
+        devices_per_node=256,
+        note="TPU v5e chip: 197 TFLOP/s bf16, 16 GiB HBM2 (Google Cloud's v5e page); ICI 1,600 Gb/s a chip over "
+        "four links, a ring over one torus axis taken at two links' 100 GB/s x 0.9, a 256-chip pod on ICI; host "
+        "link assumed 25 GB/s (PCIe Gen4 x16); 50% of peak assumed",
+    ),
     "tpu-v5p": Hardware(
         name="tpu-v5p",
         peak_flops=459e12,
@@ -192,6 +214,17 @@ HARDWARE: dict[str, Hardware] = {
         devices_per_node=8960,
         note="TPU v5p chip: 459 TFLOP/s bf16, 95 GB HBM2e; host link assumed 50 GB/s; ICI taken at 180 GB/s "
         "per chip for a ring over one torus axis, a whole pod on ICI; 50% of peak assumed",
+    ),
+    "tpu-v6e": Hardware(
+        name="tpu-v6e",
+        peak_flops=918e12,
+        hbm_bytes=32 * 2**30,
+        host_bandwidth=25e9,
+        link_bandwidth=200e9,
+        devices_per_node=256,
+        note="TPU v6e (Trillium) chip: 918 TFLOP/s bf16, 32 GiB HBM (Google Cloud's v6e page); ICI 3,584 Gb/s a "
+        "chip over four links, a ring over one axis taken at two links' 224 GB/s x 0.9, a 256-chip pod on ICI; "
+        "host link assumed 25 GB/s; 50% of peak assumed",
     ),
     # Calibrated on the 2-core development machine by benchmarks (calibrate_cpu); a starting value.
     "cpu": Hardware(
@@ -206,10 +239,11 @@ HARDWARE: dict[str, Hardware] = {
 
 
 def get_hardware(name: str | Hardware) -> Hardware:
-    """A profile by name; ``cpu`` is calibrated on this machine (see :func:`calibrate_cpu`)."""
+    """A profile by name, or by a target's (``h100:16``: the h100 profile); ``cpu`` is calibrated on
+    this machine (see :func:`calibrate_cpu`)."""
     if isinstance(name, Hardware):
         return name
-    key = str(name).strip().lower()
+    key = str(name).strip().lower().partition(":")[0]
     if key == "cpu":
         return calibrate_cpu()
     if key not in HARDWARE:

@@ -36,7 +36,7 @@ import weakref
 
 import numpy as np
 
-from jaxmem._util import tree_bytes
+from jaxmem._util import compiled_temp_bytes, tree_bytes
 
 __all__ = ["WORKSET_MICROBATCH", "ModelFacts", "StageFacts", "StaticBytes", "TensorFacts", "model_facts"]
 
@@ -46,14 +46,12 @@ __all__ = ["WORKSET_MICROBATCH", "ModelFacts", "StageFacts", "StaticBytes", "Ten
 WORKSET_MICROBATCH = 2
 
 
-def _working_options() -> dict | None:
-    """Compiler options for the working-set compiles: on XLA:CPU, its backend optimisation level 0,
-    which lays the temporaries out as the default level does (all 36 stage backwards of a Llama and
-    of a GPT) and compiles them in a little over half the time (``benchmarks/compile_flags.py``);
-    nothing elsewhere (an accelerator's compile is its own)."""
-    import jax
-
-    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+def _working_options(platform: str) -> dict | None:
+    """Compiler options for the working-set compiles on ``platform``: on XLA:CPU, its backend
+    optimisation level 0, which lays the temporaries out as the default level does (all 36 stage
+    backwards of a Llama and of a GPT) and compiles them in a little over half the time
+    (``benchmarks/compile_flags.py``); nothing elsewhere (an accelerator's compile is its own)."""
+    return {"xla_backend_optimization_level": 0} if platform == "cpu" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,15 +168,27 @@ class ModelFacts:
 
     Attributes:
         source: ``"analytic"`` (closed form) or ``"traced"``.
+        target: the :class:`~jaxmem.targets.Target` whose compiler the working sets and the layouts
+            come from (None: the devices at hand).
+        platform: that target's platform (``cpu``, ``gpu``, ``tpu``).
     """
 
-    def __init__(self, model, *, analytic: bool = True):
+    def __init__(self, model, *, analytic: bool = True, target=None):
         import jax
 
+        from jaxmem._util import platform_of
         from jaxmem.models import GPTConfig
+        from jaxmem.targets import parse_target
 
         self.model = model
-        self.gpt = model.analytic if analytic and isinstance(model.analytic, GPTConfig) else None
+        self.target = parse_target(target)
+        if self.target is not None and not self.target.compile_only:
+            self.target = None  # the cpu target is the devices at hand
+        self.platform = self.target.platform if self.target is not None else platform_of(jax.devices())
+        # The GPT's closed form counts its stash in whole elements; a TPU lays a host stash out in whole
+        # tiles (jaxmem.pipeline.stash_granule), which only the traced plan pads as the executor does.
+        closed_form = analytic and self.platform != "tpu"
+        self.gpt = model.analytic if closed_form and isinstance(model.analytic, GPTConfig) else None
         self.source = "analytic" if self.gpt is not None else "traced"
         abstract = model.abstract_params()
         layers, shared = model.split(abstract)
@@ -204,8 +214,34 @@ class ModelFacts:
 
         config = model.config
         builtin = isinstance(config, (GPTConfig, LlamaConfig))
-        depthless = (type(config), dataclasses.replace(config, n_layers=1)) if builtin else None
+        depthless = (type(config), dataclasses.replace(config, n_layers=1), str(self.target)) if builtin else None
         self._stage_cache = self._cache if depthless is None else _DEPTHLESS.setdefault(depthless, {})
+
+    # ------------------------------------------------------------------ the target
+    def _devices(self, count: int = 1) -> list:
+        """At least ``count`` devices of the facts' target (the local devices without one; fewer when
+        the process has fewer)."""
+        import jax
+
+        if self.target is None:
+            return jax.local_devices()
+        return self.target.devices(count)
+
+    def nbytes(self, shape, dtype) -> int:
+        """Bytes of one array as the target lays it out: a TPU pads the two minor dimensions to its
+        tiles (:meth:`~jaxmem.targets.Target.tiled_bytes`); elsewhere its elements' bytes."""
+        if self.platform == "tpu" and self.target is not None:
+            return self.target.tiled_bytes([(tuple(shape), np.dtype(dtype).name)])[0]
+        return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+    def tree_nbytes(self, tree) -> int:
+        """:meth:`nbytes` summed over a pytree of arrays or shaped values."""
+        import jax
+
+        leaves = jax.tree.leaves(tree)
+        if self.platform == "tpu" and self.target is not None:
+            return sum(self.target.tiled_bytes([(tuple(a.shape), np.dtype(a.dtype).name) for a in leaves]))
+        return tree_bytes(tree)
 
     # ------------------------------------------------------------------ model-level
     def batch(self, microbatch: int, seq: int) -> dict:
@@ -226,7 +262,7 @@ class ModelFacts:
         return self._cache[key]
 
     def message_bytes(self, microbatch: int, seq: int) -> int:
-        return tree_bytes(self.message(microbatch, seq))
+        return self.tree_nbytes(self.message(microbatch, seq))
 
     def stage_families(self, layer_counts, drop_layers=frozenset()) -> list[tuple[int, ...] | None]:
         """Per stage, the parameter family of each layer it runs (``drop_layers``, global indices,
@@ -296,12 +332,13 @@ class ModelFacts:
             placement = placement_of(abstract, sizes, zero=zero, axes=axes)
 
             def per_device(tree, places, which, sizes=sizes):
-                return float(
-                    sum(
-                        p.device_elems(which, sizes) * np.dtype(a.dtype).itemsize
-                        for a, p in zip(jax.tree.leaves(tree), jax.tree.leaves(places, is_leaf=_is_leaf_placement))
-                    )
-                )
+                shards = [
+                    (p.local_shape(which, sizes), np.dtype(a.dtype).name)
+                    for a, p in zip(jax.tree.leaves(tree), jax.tree.leaves(places, is_leaf=_is_leaf_placement))
+                ]
+                if self.platform == "tpu" and self.target is not None:  # each shard padded to the TPU's tiles
+                    return float(sum(self.target.tiled_bytes(shards)))
+                return float(sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(d).itemsize for shape, d in shards))
 
             # What a running stage holds once gathered over fsdp (still cut over tensor), beyond its shard.
             unsharded = {**sizes, "fsdp": 1}
@@ -510,7 +547,7 @@ class ModelFacts:
             return stacked(self._layer, len(fams))
         return tuple(stacked(layer, fams.count(f)) for f, layer in enumerate(self._family_layer))
 
-    def _stage_fn(self, first, last, fams, policy, vocab):
+    def _stage_fn(self, first, last, fams, policy, vocab, platform=None):
         """The stage function of a stage of layers of ``fams`` (each layer of a family run as that
         family's first layer's kind)."""
         from jaxmem.pipeline import stage_forward
@@ -521,7 +558,9 @@ class ModelFacts:
             if self.model.layer_kinds is not None:
                 firsts = self.model.family_layers()
                 kinds = tuple(self.model.layer_kinds[firsts[f]] for f in fams)
-        return stage_forward(
+        from jaxmem.models import traced_for
+
+        fn = stage_forward(
             self.model,
             first=first,
             last=last,
@@ -531,6 +570,7 @@ class ModelFacts:
             families=families,
             kinds=kinds,
         )
+        return traced_for(fn, platform or self.platform)  # fused attention is the target's kernel
 
     # ------------------------------------------------------------------ the vocabulary split over the ranks
     def vocab_shape(self) -> tuple[int, int]:
@@ -554,8 +594,9 @@ class ModelFacts:
 
         vocab, d = self.vocab_shape()
         rows = vocab_rows(vocab, ranks)
-        itemsize = np.dtype(self.model.vocab.dtype).itemsize
-        return 3.0 * microbatch * seq * rows * 4 + 2 * microbatch * seq * d * itemsize + rows * d * itemsize
+        dtype = np.dtype(self.model.vocab.dtype).name
+        logits = self.nbytes((microbatch, seq, rows), "float32")
+        return float(3 * logits + 2 * self.nbytes((microbatch, seq, d), dtype) + self.nbytes((rows, d), dtype))
 
     def _analytic(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.memory._model import forward_flops, stage_counts
@@ -594,16 +635,26 @@ class ModelFacts:
             self._cache[key] = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, 1)[0], self._shared)
         return self._cache[key]
 
-    def _traced_plan(self, first, last, fams, policy, seq, vocab=False):
+    def _traced_plan(self, first, last, fams, policy, seq, vocab=False, platform=None):
+        """The stage's residual plan, traced for the facts' platform (``platform``: another, e.g. an
+        XLA:CPU trace of a GPU stage whose cuDNN kernel no cost analysis counts)."""
         from jaxmem.pipeline import analyze_stage
 
-        key = ("plan", first, last, fams, policy, seq, vocab)
+        key = ("plan", first, last, fams, policy, seq, vocab, platform)
         if key not in self._cache:
-            fn = self._stage_fn(first, last, fams, policy, vocab)
+            fn = self._stage_fn(first, last, fams, policy, vocab, platform)
             stage = self._stage_params(fams)
             x = self.message(1, seq)
             shared = self._stage_shared(vocab)
-            plan = analyze_stage(fn, stage, shared, x, self.batch(1, seq), stash_to_host=policy.offload_stash)
+            plan = analyze_stage(
+                fn,
+                stage,
+                shared,
+                x,
+                self.batch(1, seq),
+                stash_to_host=policy.offload_stash,
+                host_tiles=self.platform == "tpu",
+            )
             self._cache[key] = (plan, stage, x)
         return self._cache[key]
 
@@ -725,8 +776,8 @@ class ModelFacts:
             from jaxmem.pipeline import analyze_stage
 
             mesh = None
-            if tensor > 1:
-                devices = jax.local_devices()
+            if tensor > 1 or self.target is not None:
+                devices = self._devices(tensor)
                 if len(devices) < tensor:
                     return None
                 mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
@@ -739,12 +790,19 @@ class ModelFacts:
                 stage, shared = self._tensor_placed(stage, shared, mesh, vocab)
             if split:
                 lowered = _lower_split(
-                    plan, stage, shared, x, batch, input_grad=not (first and not vocab), hand_recomputed=split == "hand"
+                    plan,
+                    stage,
+                    shared,
+                    x,
+                    batch,
+                    input_grad=not (first and not vocab),
+                    hand_recomputed=split == "hand",
+                    mesh=mesh,
                 )
             else:
                 lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
-            options = _working_options()
-            temps = [float(part.compile(options).memory_analysis().temp_size_in_bytes) for part in lowered]
+            options = _working_options(self.platform)
+            temps = [float(compiled_temp_bytes(part.compile(options))) for part in lowered]
             cache[key] = max(temps) / mb
         return cache[key]
 
@@ -767,11 +825,11 @@ class ModelFacts:
         those converted copies are laid out apart: a 16-bit model's tensor working set compiled on
         CPU says little of an accelerator's (llama-8b bf16, a stage of 4 layers at 2 x 4096: 23.6
         GiB on a 2-device mesh against 16.8 modelled, where f32 agrees within 1%), so it is
-        modelled there."""
+        modelled there. The platform is the facts' target's, not this process's."""
         import jax
         import jax.numpy as jnp
 
-        if jax.default_backend() != "cpu":
+        if self.platform != "cpu":
             return False
         floats = [a for a in jax.tree.leaves(self.message(1, seq)) if jnp.issubdtype(a.dtype, jnp.floating)]
         return any(np.dtype(a.dtype).itemsize < 4 for a in floats)
@@ -815,7 +873,9 @@ class ModelFacts:
             import jax
             from jax.extend.core import jaxpr_as_fun
 
-            plan, stage, x = self._traced_plan(first, last, fams, policy, seq, vocab)
+            # Counted on the XLA composition of each op: a custom kernel (cuDNN's attention on a GPU)
+            # is opaque to cost_analysis() and does the same math.
+            plan, stage, x = self._traced_plan(first, last, fams, policy, seq, vocab, platform="cpu")
             batch = self.batch(1, seq)
             shared = self._stage_shared(vocab)
             flat = jax.tree.leaves(stage) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
@@ -886,22 +946,31 @@ def _lower_pullback(plan, stage, shared, x, batch, *, mesh=None):
     return jax.jit(backward_fn).lower(stage, jax.tree.map(placed, shared), jax.tree.map(placed, batch), packed, ct)
 
 
-def _lower_split(plan, stage, shared, x, batch, input_grad: bool, hand_recomputed: bool = False) -> list:
+def _lower_split(plan, stage, shared, x, batch, input_grad: bool, hand_recomputed: bool = False, *, mesh=None) -> list:
     """The stage's backward split into I and W (:mod:`jaxmem.pipeline._iw`), each lowered alone as
     the executor runs it: I from the stash slot and the output's cotangent to the input gradient,
     writing its transfers into their arena in place; W from the same, reading the transfers back
-    out of the arena, to the weight gradients."""
+    out of the arena, to the weight gradients. ``mesh``: the inputs not placed already are
+    replicated over it (a target's devices)."""
     import jax
     import jax.numpy as jnp
 
     from jaxmem.pipeline import abstract_split
 
+    def placed(a):
+        if mesh is None or getattr(a, "sharding", None) is not None:
+            return a
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole)
+
     split = abstract_split(plan, stage, shared, batch, x, input_grad=input_grad, hand_recomputed=hand_recomputed)
-    packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k[0])) for k, n in plan.stash_elems.items() if n}
-    ct = jax.tree_util.tree_unflatten(plan.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.out_avals])
-    args = (stage, shared, batch, packed, ct)
+    packed = {k: placed(jax.ShapeDtypeStruct((n,), jnp.dtype(k[0]))) for k, n in plan.stash_elems.items() if n}
+    ct = jax.tree_util.tree_unflatten(
+        plan.out_tree, [placed(jax.ShapeDtypeStruct(a.shape, a.dtype)) for a in plan.out_avals]
+    )
+    args = jax.tree.map(placed, (stage, shared, batch, packed, ct))
     sizes = split.split.transfer_elems()
-    arenas = {name: jax.ShapeDtypeStruct((n,), np.dtype(name)) for name, n in sizes.items()}
+    arenas = {name: placed(jax.ShapeDtypeStruct((n,), np.dtype(name))) for name, n in sizes.items()}
     base = dict.fromkeys(sizes, 0)
 
     def i_part(args, arenas):
@@ -924,10 +993,15 @@ _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _DEPTHLESS: dict = {}  # depthless built-in config -> compiled working sets, I/W splits (ModelFacts.__init__)
 
 
-def model_facts(model, *, analytic: bool = True) -> ModelFacts:
-    """The (cached) facts of a model; ``analytic=False`` forces tracing even where a closed form exists."""
-    key = (analytic,)
+def model_facts(model, *, analytic: bool = True, target=None) -> ModelFacts:
+    """The (cached) facts of a model; ``analytic=False`` forces tracing even where a closed form exists;
+    ``target`` (a :class:`~jaxmem.targets.Target` or its name): whose compiler and layouts the facts
+    read (None: the devices at hand)."""
+    from jaxmem.targets import parse_target
+
+    target = parse_target(target)
+    key = (analytic, None if target is None or not target.compile_only else target.kind)
     per_model = _FACTS.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = ModelFacts(model, analytic=analytic)
+        per_model[key] = ModelFacts(model, analytic=analytic, target=target)
     return per_model[key]

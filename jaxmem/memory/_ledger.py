@@ -22,7 +22,7 @@ import functools
 
 import numpy as np
 
-from jaxmem._util import compiled_bytes, tree_bytes
+from jaxmem._util import compiled_bytes
 from jaxmem.policy import resolve
 
 __all__ = [
@@ -114,8 +114,10 @@ def predict(
     facts=None,
     split_backward: bool = False,
     hand_recomputed: bool = False,
+    target=None,
 ) -> Ledger:
-    """The predicted ledger: traced or closed-form facts (:mod:`jaxmem.memory._facts`), no compiling.
+    """The predicted ledger: traced or closed-form facts (:mod:`jaxmem.memory._facts`); the one compile
+    is of a stage's backward, for its working set.
 
     Args:
         model: a StagedModel, preset name or config.
@@ -142,6 +144,9 @@ def predict(
             I to W, and the backward's working set is the larger of I's and W's.
         hand_recomputed: with the split, I also hands W the forward values it recomputed
             (``Pipeline(hand_recomputed=True)``): they are kept from I to W as well.
+        target: the :class:`~jaxmem.targets.Target` (or its name, e.g. ``"tpu-v5e"``) whose compiler
+            the working sets and layouts come from, when ``facts`` are not given (None: the devices
+            at hand).
     """
     from jaxmem._errors import JaxmemError
     from jaxmem.memory._facts import model_facts
@@ -149,7 +154,7 @@ def predict(
     from jaxmem.pipeline import cell_classes, model_layer_counts, splits_backward, stash_rows
 
     model = get_model(model)
-    facts = facts or model_facts(model)
+    facts = facts or model_facts(model, target=target)
     resolved = resolve(policy, schedule, model.tags)
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     M = schedule.num_microbatches
@@ -186,7 +191,7 @@ def predict(
     # Split backwards (zero-bubble schedules) also keep what each I hands its W (cut over tensor, as the stash).
     splits = splits_backward(schedule, split_backward)
     hand = splits and bool(hand_recomputed)
-    class_sizes, class_transfers, working, item = {}, {}, 0.0, 0.0
+    class_sizes, class_transfers, working, item, host_item = {}, {}, 0.0, 0.0, 0.0
     for c in dict.fromkeys(cells.values()):
         variant = resolved.variants[c.variant]
         families = tuple(f for i, f in enumerate(c.families) if i not in c.skip) if c.families else None
@@ -218,6 +223,7 @@ def predict(
             own = stage.working_bytes * (1 - part.full * (1 - 1 / tensor))
         working = max(working, own)
         item = max(item, stage.stash_bytes("device") * (1 - part.stash))
+        host_item = max(host_item, stage.stash_bytes("host"))
     # The layout's cache key, compact: the distinct classes with their sizes, and each cell's class index.
     classes = tuple(class_sizes)
     index = {c: i for i, c in enumerate(classes)}
@@ -228,16 +234,38 @@ def predict(
         schedule, classes, sizes, assignment, vocab, transfers
     )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
-    inputs = tree_bytes({k: v for k, v in facts.batch(batch // replicas, seq).items() if k != "rng"})
-    # Beside it, the step's gradient accumulators leave the executor's cond updated while the old
-    # ones are still live.
-    working += grads.device
-    if vocab:
-        # Every rank's slice of the head's logits and their gradient, in the same tick as its stage action.
-        working += facts.vocab_transient(mb, seq, schedule.num_ranks)
+    inputs = facts.tree_nbytes({k: v for k, v in facts.batch(batch // replicas, seq).items() if k != "rng"})
+    # What the transient is made of, for the ledger's readers (meta["transient_terms"]).
+    terms = {"messages": messages, "inputs": inputs, "backward_working_set": working}
+    if facts.platform == "cpu":
+        # Beside it, the step's gradient accumulators leave the executor's cond updated while the old
+        # ones are still live (XLA:CPU), and every rank's slice of the head's logits and their
+        # gradient are held in the same tick as its stage action.
+        terms["accumulators_updated"] = grads.device
+        working += grads.device
+        if vocab:
+            terms["vocabulary_slice"] = facts.vocab_transient(mb, seq, schedule.num_ranks)
+            working += terms["vocabulary_slice"]
+    else:
+        # An accelerator's compiler adds a backward's gradients into the accumulators in place: beside
+        # the working set it holds that backward's gradients of one stage, in the master weights'
+        # dtype, until they are added. The vocabulary slice's logits come after the stage's action
+        # in the tick (jaxmem.pipeline._vocab), when its temporaries are dead: the larger of the two.
+        terms["stage_gradients"] = max(static.stage_params)
+        working += terms["stage_gradients"]
+        if vocab:
+            terms["vocabulary_slice"] = facts.vocab_transient(mb, seq, schedule.num_ranks)
+            working = max(working, terms["vocabulary_slice"])
     transient = messages + inputs + working
     # With the stash cut over tensor, a backward gathers its item's whole part (its slot holds a share).
-    transient += item * (1 - 1 / tensor)
+    terms["stash_gathered_over_tensor"] = item * (1 - 1 / tensor)
+    transient += terms["stash_gathered_over_tensor"]
+    # On an accelerator a backward copies its host slot to the device whole before it unpacks it
+    # (jaxmem.pipeline._body, StepBody): one item beside the working set, which was compiled with the
+    # stash handed to it on the device. (XLA:CPU reads host buffers in place.)
+    if facts.platform != "cpu":
+        terms["host_slot_on_device"] = host_item
+        transient += host_item
     # FSDP: a running stage holds its gathered weights and their whole gradient before the
     # reduce-scatter (and the embedding's / head's when it is the first or last).
     weights, whole_grads = (static.gathered_copy if cut else static.gathered), static.gathered
@@ -245,11 +273,13 @@ def predict(
         weights -= static.stage_gathered_copy if cut else static.stage_gathered
         whole_grads -= static.stage_gathered
     transient += weights + whole_grads
+    terms["fsdp_gathered"] = weights + whole_grads
     # Weights on host: the prefetch slot holding the stage a rank runs and, where it runs two or more
     # on host, the next one's weights arriving beside that action (jaxmem.pipeline._body.prefetch_columns;
     # where its stages on host differ in shape, each action fetches its own, and this is a bound).
     fetched = [b for b, h in zip(static.stage_params, weights_host) if h]
-    transient += min(len(fetched), 2) * max(fetched, default=0.0)
+    terms["weights_fetched"] = min(len(fetched), 2) * max(fetched, default=0.0)
+    transient += terms["weights_fetched"]
     # The update streams a stage with weights or optimizer state on host layer by layer, after the
     # backward, when the stash arenas are dead (jaxmem.train._update): the device holds two layers'
     # weights and optimizer state, the one being updated and the next one arriving (the update's
@@ -258,11 +288,14 @@ def predict(
     if any(w or o for w, o in zip(weights_host, opt_host)):
         layer = _layer_static(facts, schedule.num_ranks, facts.stage_rows(counts), static_kwargs)
         update_copy = 2 * max(p + k * s for p, s in layer)
+        terms["streamed_update"] = update_copy - stash_dev
         transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
     meta = _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source)
     meta.update(
         {
+            "target": "cpu" if facts.target is None else facts.target.kind,
+            "transient_terms": {k: int(round(v)) for k, v in terms.items() if v},
             "fsdp": fsdp,
             "tensor": tensor,
             "zero": zero and replicas > 1,
@@ -380,26 +413,40 @@ def _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts_source
     return meta
 
 
-def _array_bytes(tree) -> Bytes:
-    """Per-device bytes of arrays (or abstract arrays with shardings), split by memory kind."""
+def _array_bytes(tree, formats=None) -> Bytes:
+    """Per-device bytes of arrays (or abstract arrays with shardings), split by memory kind;
+    ``formats``: the compiled program's formats of the same leaves (``compiled.input_formats``), whose
+    layouts say how a TPU pads each (elsewhere they pad nothing)."""
     import jax
 
+    from jaxmem.targets import layout_bytes
+
     total = Bytes()
-    for leaf in jax.tree.leaves(tree):
+    layouts = [None] * len(jax.tree.leaves(tree))
+    if formats is not None:
+        layouts = [getattr(f, "layout", None) for f in jax.tree.leaves(formats, is_leaf=lambda x: hasattr(x, "layout"))]
+    for leaf, layout in zip(jax.tree.leaves(tree), layouts, strict=True):
         sharding = leaf.sharding
         shard_shape = sharding.shard_shape(leaf.shape)
-        size = int(np.prod(shard_shape)) * np.dtype(leaf.dtype).itemsize
+        dtype = np.dtype(leaf.dtype)
+        if layout is not None and getattr(layout, "tiling", None):
+            size = layout_bytes(shard_shape, dtype.name, layout)
+        else:
+            size = int(np.prod(shard_shape)) * dtype.itemsize
         on_host = "host" in str(getattr(sharding, "memory_kind", None) or "")
         total = total + (Bytes(0, size) if on_host else Bytes(size, 0))
     return total
 
 
-def host_bytes_counted_as_device(tick, params=None, opt_state=None) -> float:
+def host_bytes_counted_as_device(tick, params=None, opt_state=None, *, platform: str | None = None) -> float:
     """What XLA:CPU counts as device bytes though the policy places it on host: host-space stash arenas
-    (in its temporaries) and host-kind kept arrays (in its arguments). 0 on other platforms."""
+    (in its temporaries) and host-kind kept arrays (in its arguments). 0 on other platforms
+    (``platform``: the program's; default this process's)."""
     import jax
 
-    if jax.devices()[0].platform != "cpu":
+    from jaxmem._util import platform_of
+
+    if (platform or platform_of(jax.devices())) != "cpu":
         return 0.0
     _, stash_host, _ = _arena_bytes(tick)
     kept = sum(_array_bytes(tree).host for tree in (params, opt_state) if tree is not None)
@@ -418,13 +465,16 @@ def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
         batch: the batch (dict or spec) it was compiled for.
         params, opt_state: the state it was compiled for.
     """
-    import jax
+    from jaxmem._util import platform_of
 
     schedule = pipeline.schedule
     analysis = compiled.memory_analysis()
     tick, _ = pipeline.program(batch)
-    param_bytes = _array_bytes(params)
-    optimizer = _array_bytes(opt_state)
+    platform = platform_of(pipeline.mesh)
+    # The step's arguments are (params, opt_state, batch): a TPU pads each as its layout says.
+    formats = _step_formats(compiled) if platform == "tpu" else (None, None)
+    param_bytes = _array_bytes(params, formats[0])
+    optimizer = _array_bytes(opt_state, formats[1])
     grads = Bytes(param_bytes.device + param_bytes.host, 0)
     if pipeline.master_cut:
         # The kept arrays are the cut master weights; beside them the step holds the compute copy,
@@ -442,8 +492,7 @@ def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
         + analysis.host_output_size_in_bytes
         - analysis.host_alias_size_in_bytes
     )
-    platform = jax.devices()[0].platform
-    cpu_host_counted = host_bytes_counted_as_device(tick, params, opt_state)
+    cpu_host_counted = host_bytes_counted_as_device(tick, params, opt_state, platform=platform)
     accounted = param_bytes.device + optimizer.device + grads.device + stash_dev + cpu_host_counted
     transient = total_device - accounted
     ranks = _rank_ledgers(
@@ -467,6 +516,16 @@ def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
         }
     )
     return Ledger("compiled", ranks, meta)
+
+
+def _step_formats(compiled) -> tuple:
+    """The compiled train step's formats of its parameters and optimizer state (None, None when the
+    program does not say)."""
+    try:
+        args = compiled.input_formats[0]
+        return args[0], args[1]
+    except Exception:  # noqa: BLE001 -- an executable without layouts
+        return None, None
 
 
 def compare(predicted: Ledger, compiled: Ledger) -> dict:

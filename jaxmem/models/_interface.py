@@ -20,6 +20,7 @@ on the parameters (it is the number of counted tokens).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -40,6 +41,7 @@ __all__ = [
     "ParamAxes",
     "StagedModel",
     "VocabParallel",
+    "attention_platform",
     "batch_positions",
     "check_config",
     "dtype_name",
@@ -48,6 +50,7 @@ __all__ = [
     "make_batch",
     "named_softmax",
     "token_loss",
+    "traced_for",
 ]
 
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "positions")
@@ -92,21 +95,67 @@ def check_config(config, positive: Sequence[str]) -> None:
         raise JaxmemError(f"{kind}.attention ({setting('attention')}) is materialized or fused, got {attention!r}")
 
 
+# The platform a stage is being traced for (set by the executor and the ledger around their traces):
+# fused attention picks its kernel by it. None: as jax.nn.dot_product_attention picks (XLA's ops).
+_ATTENTION_PLATFORM: contextvars.ContextVar = contextvars.ContextVar("jaxmem_attention_platform", default=None)
+
+
+@contextlib.contextmanager
+def attention_platform(platform: str | None):
+    """Within the block, :func:`fused_attention` is traced for ``platform`` (``gpu``: cuDNN's flash
+    attention; ``tpu``, ``cpu``: XLA's). jaxmem's executor and ledger trace the stages inside it for
+    the devices they compile for, which need not be this process's (:mod:`jaxmem.targets`)."""
+    token = _ATTENTION_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _ATTENTION_PLATFORM.reset(token)
+
+
+def traced_for(fn: Callable, platform: str | None) -> Callable:
+    """``fn`` that runs inside :func:`attention_platform` ``(platform)`` whenever it is called (traced)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with attention_platform(platform):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention of ``q`` ``[batch, seq, heads, head_dim]`` over ``k``, ``v`` ``[batch, seq,
     kv_heads, head_dim]`` (grouped-query when ``kv_heads < heads``) as one op:
-    :func:`jax.nn.dot_product_attention`, the kernel left to XLA (cuDNN's flash attention on GPUs
-    that have it, plain XLA ops elsewhere). Its s x s probabilities are never kept for the backward:
-    the op is rematerialised as a whole (``jax.checkpoint`` saving nothing inside), so the backward
-    reads only ``q``, ``k``, ``v`` -- what a flash kernel does, which recomputes the probabilities
-    blockwise. The price: one more attention forward in the backward, as a flash kernel pays it.
+    :func:`jax.nn.dot_product_attention`. Compiled for a GPU (traced inside
+    :func:`attention_platform` ``("gpu")``, as jaxmem's executor and ledger trace for the devices they
+    compile for) it is cuDNN's flash attention when the inputs are 16-bit (cuDNN takes no float32),
+    with ``nvidia-cudnn-cu12`` (``pip install 'jaxmem[cuda]'``); elsewhere XLA's own ops. Its s x s
+    probabilities are never kept for the backward: the op is rematerialised as a whole
+    (``jax.checkpoint`` saving nothing inside), so the backward reads only ``q``, ``k``, ``v``, as a
+    flash kernel does, which recomputes the probabilities blockwise. The price: one more attention
+    forward in the backward.
 
     >>> x = jnp.ones((1, 4, 2, 8))
     >>> fused_attention(x, x[:, :, :1], x[:, :, :1]).shape
     (1, 4, 2, 8)
     """
-    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True)
+    implementation = None
+    if _ATTENTION_PLATFORM.get() == "gpu" and jnp.dtype(q.dtype).itemsize == 2:
+        _require_cudnn()
+        implementation = "cudnn"
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
     return jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)(q, k, v)
+
+
+def _require_cudnn() -> None:
+    """cuDNN must be installed to trace its attention (jax reads its version while tracing)."""
+    import importlib.util
+
+    if importlib.util.find_spec("nvidia.cudnn") is None:
+        raise JaxmemError(
+            "fused attention on a GPU is cuDNN's flash attention, and cuDNN is not installed: "
+            "pip install 'jaxmem[cuda]' (or nvidia-cudnn-cu12), or use --attention materialized"
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -23,17 +23,23 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
+from jaxmem._util import platform_of
 from jaxmem.models import microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
 from jaxmem.pipeline._cut import CutArena, as_rows
 from jaxmem.pipeline._iw import TRANSFER_SPACE, StageSplit, stage_split
 from jaxmem.pipeline._placement import AXES, LeafPlacement, is_placement
-from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage
+from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, host_tile_elems, host_tile_shape
 from jaxmem.pipeline._split import vocab_size as _vocab_size
 from jaxmem.pipeline._ticks import COLUMNS, StageClass, stash_cut, stash_rows
 from jaxmem.schedule import Kind
 
 __all__ = ["StepBody", "to_device", "vary", "vary_like", "vary_tree", "varying_axes"]
+
+
+# Buffers smaller than this are left for XLA to copy when a cond's other side hands them back
+# (messages, loss totals): what a copy costs is nothing beside an action's work.
+_TOUCHED_BYTES = 1 << 16
 
 
 def varying_axes(x) -> frozenset:
@@ -168,7 +174,26 @@ class StepBody:
         self.cut_keys = [key for key, c in zip(self.keys, self.cuts) if c > 1]
         # XLA's CPU compiler aborts promoting a 16-bit all-reduce that the partitioner gave a copy at
         # its reduction's root (jax 0.10.2, a tensor axis): there, the pipe sums run in float32.
-        self.widen_sums = tensor > 1 and pipeline.mesh.devices.flat[0].platform == "cpu"
+        self.platform = platform_of(pipeline.mesh)
+        self.widen_sums = tensor > 1 and self.platform == "cpu"
+        # Host arenas on an accelerator: a residual is laid out for its arena on the device (raveled;
+        # on a TPU padded to whole tiles, ``[tiles, sublanes, 128]``) and copied to host in one
+        # piece, and a backward copies its slot back to the device before unpacking it: every
+        # access to host memory is a copy of a whole slot (XLA runs a slice of host memory as host
+        # compute). The arena itself is a broadcast of a zero already on host, so that its zeros are
+        # never made on the device (zeros moved to host are: the whole arena on the device for a
+        # moment, the bytes the offload keeps off it). XLA:CPU keeps "host" buffers in the same
+        # memory: it slices them in place.
+        self.host_tiles = self.platform == "tpu"
+        self.host_slots_to_device = self.platform != "cpu"
+        # XLA's GPU compiler copies a buffer that one side of a two-way cond updates in place and the
+        # other hands back unchanged: each tick's conds would copy the stash arenas (twice the arena
+        # in memory, and a copy of it at every tick). When the other side updates the arena in place
+        # too -- one element set to its own value, behind a predicate XLA cannot see is false -- it
+        # keeps it in place, as XLA's CPU and TPU compilers do without it (:meth:`_Run.idle_for`).
+        # (The gradient accumulators, which a backward adds to rather than updates in a slice, it
+        # still copies there: a stage's gradients each tick that runs a backward.)
+        self.idle_touches = self.platform == "gpu"
         self.vocab_split = pipeline.vocab
         self.vocab_ticks = jnp.asarray(tick.vocab_ticks.astype(np.int32))
         schedule = pipeline.schedule
@@ -236,10 +261,12 @@ class _Run:
                 self.x_like,
                 first_mb,
                 stash_to_host=pipeline._stash_to_host(c),
+                host_tiles=body.host_tiles,
             )
             for c in body.tick.classes
         ]
         self.splits: dict[StageClass, tuple] = {}  # per class, its backward split into I and W, and its cut
+        self._updated: dict[int, tuple] = {}  # per branch, which state leaves it updates (idle_for)
         self.branches = [self.branch(ci, kind) for ci, kind in body.tick.branches]  # branch 0 is idle
         branches = body.tick.branches
         # Writers of the arenas before their readers: forwards (the stash), then I (what it hands W).
@@ -307,16 +334,45 @@ class _Run:
     def stash(self, arena, packed, off):
         """A forward's residuals written in place at their offset, over nothing else: each residual by
         itself (``[(leaf, value), ...]``), or a cut arena's packed rows. None: the forward stashes
-        nothing in this arena."""
+        nothing in this arena. A TPU's host arena is ``[tiles, sublanes, 128]``: its residuals arrive
+        tiled (:meth:`host_put`) and are written a whole tile at a time."""
         if packed is None:
             return arena
         if isinstance(packed, list):  # no concatenated copy: every residual goes straight in
             pin = self.body.pin
             for leaf, value in packed:
+                if arena.ndim == 3:  # TPU host tiles
+                    row = (off + leaf.offset) // host_tile_elems(leaf.dtype)
+                    arena = jax.lax.dynamic_update_slice_in_dim(arena, value, row, 0)
+                    continue
                 value = jnp.ravel(value if pin is None else pin(value))
                 arena = jax.lax.dynamic_update_slice_in_dim(arena, value, off + leaf.offset, 0)
             return arena
         return jax.lax.dynamic_update_slice_in_dim(arena, packed, off, arena.ndim - 1)
+
+    def host_put(self, leaf, value):
+        """A residual bound for a host arena on an accelerator, laid out as its arena holds it on the
+        device (raveled; on a TPU padded to whole tiles) and copied to host in one piece."""
+        body = self.body
+        if leaf.memory_space == "host":  # the policy's own offload left it on host: lay it out on the device
+            value = jax.device_put(value, jax.memory.Space.Device)
+        value = jnp.ravel(value if body.pin is None else body.pin(value))
+        if body.host_tiles:
+            tile = host_tile_elems(leaf.dtype)
+            padded = -(-value.size // tile) * tile
+            value = jnp.pad(value, (0, padded - value.size)).reshape(padded // tile, *host_tile_shape(leaf.dtype))
+        return jax.device_put(value, jax.memory.Space.Host)
+
+    def read_slot(self, key, arena, off, n):
+        """A backward's slot of ``n`` elements at ``off`` of a stash arena: on an accelerator a host
+        slot is copied to the device in one piece (a TPU's whole tiles), flat."""
+        if key[1] != "host" or not self.body.host_slots_to_device:
+            return jax.lax.dynamic_slice_in_dim(arena, off, n, axis=arena.ndim - 1)
+        if arena.ndim == 3:
+            tile = host_tile_elems(key[0])
+            slot = jax.lax.dynamic_slice_in_dim(arena, off // tile, -(-n // tile), axis=0)
+            return jax.device_put(slot, jax.memory.Space.Device).reshape(-1)[:n]
+        return jax.device_put(jax.lax.dynamic_slice_in_dim(arena, off, n, axis=0), jax.memory.Space.Device)
 
     def accumulate(self, grads, shared_grads, local: int, plan: ResidualPlan, d_params, d_shared):
         """Add a backward's gradients to the accumulators (cut to this device's fsdp shard)."""
@@ -358,7 +414,8 @@ class _Run:
         shared_in = self.shared_for(plan)
         pin = body.pin
         pack = (lambda key, parts: parts) if arena is None else functools.partial(arena.pack, pin=pin)
-        out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin, pack=pack)
+        host_put = self.host_put if body.host_slots_to_device else None
+        out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin, pack=pack, host_put=host_put)
         arenas = tuple(self.stash(buf, packed.get(key), off) for key, buf, off in zip(body.keys, arenas, offs))
         if c.last and body.vocab_split is None:
             loss_sum, weight = out
@@ -375,7 +432,9 @@ class _Run:
         shared_in = self.shared_for(plan)
         pin = body.pin
         current = {
-            key: jax.lax.dynamic_slice_in_dim(buf, off, rows[key] if cut > 1 else n, axis=buf.ndim - 1)
+            key: jax.lax.dynamic_slice_in_dim(buf, off, rows[key], axis=buf.ndim - 1)
+            if cut > 1
+            else self.read_slot(key, buf, off, n)
             for key, buf, off, cut in zip(body.keys, arenas, offs, body.cuts)
             if (n := plan.stash_elems.get(key))
         }
@@ -455,6 +514,36 @@ class _Run:
             self.splits[c] = split, cut
         return self.splits[c]
 
+    def idle_for(self, b: int, state, offs, x_in, g_in, micro):
+        """The other side of branch ``b``'s cond: the state handed back unchanged -- on a GPU with every
+        buffer the branch updates in place touched in place too (see :class:`StepBody`)."""
+        if not self.body.idle_touches:
+            return lambda s, *_: s
+        if b not in self._updated:
+            closed = jax.make_jaxpr(self.branches[b - 1])(state, offs, x_in, g_in, micro)
+            n = len(jax.tree.leaves(state))
+            ins, outs = closed.jaxpr.invars[:n], closed.jaxpr.outvars
+            # The arenas (the state's second entry): the buffers the branch writes a slice of.
+            first = len(jax.tree.leaves(state[0]))
+            arenas = range(first, first + len(jax.tree.leaves(state[1])))
+            self._updated[b] = tuple(o is not i and k in arenas for k, (o, i) in enumerate(zip(outs, ins, strict=True)))
+        updated = self._updated[b]
+        never = vary(jax.lax.optimization_barrier(jnp.zeros((), bool)))
+
+        def touch(leaf):
+            if leaf.ndim == 0 or leaf.size * leaf.dtype.itemsize < _TOUCHED_BYTES:
+                return leaf  # copying it is cheap
+            corner = (0,) * leaf.ndim
+            first = jax.lax.dynamic_slice(leaf, corner, (1,) * leaf.ndim)
+            bumped = first + jnp.ones((), leaf.dtype) if leaf.dtype != jnp.bool_ else ~first
+            return jax.lax.dynamic_update_slice(leaf, jnp.where(never, bumped, first), corner)
+
+        def idle(s, *_):
+            leaves, treedef = jax.tree.flatten(s)
+            return treedef.unflatten([touch(a) if u else a for a, u in zip(leaves, updated, strict=True)])
+
+        return idle
+
     # ------------------------------------------------------------------ the ticks
     def read(self, buffers, slot):
         return jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), buffers)
@@ -484,9 +573,8 @@ class _Run:
         # on an idle tick none does and the message stays zeros.
         state = (self.x_like, arenas, grads, shared_grads, totals)
         for b in self.forwards_first:
-            state = jax.lax.cond(
-                row[col["branch"]] == b, self.branches[b - 1], lambda s, *_: s, state, offs, x_in, g_in, micro
-            )
+            idle = self.idle_for(b, state, offs, x_in, g_in, micro)
+            state = jax.lax.cond(row[col["branch"]] == b, self.branches[b - 1], idle, state, offs, x_in, g_in, micro)
         message, arenas, grads, shared_grads, totals = state
         if slot is not None and len(body.host_stages) > 1:  # the next stage's weights, beside this action
             slot = self.fetch(slot, row[col["prefetch"]])
@@ -529,6 +617,13 @@ class _Run:
             dtype_name, space = key
             if c > 1:
                 return vary(as_rows(jnp.zeros((c * length,), jnp.dtype(dtype_name)), c))
+            if space == "host" and body.host_slots_to_device:  # zeros made on host (see StepBody)
+                shape = (length,)
+                if body.host_tiles:
+                    shape = (-(-length // host_tile_elems(dtype_name)), *host_tile_shape(dtype_name))
+                # (behind a barrier, so that XLA does not fold it into a constant arena it then copies)
+                zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.dtype(dtype_name)))
+                return vary(jnp.broadcast_to(jax.device_put(zero, jax.memory.Space.Host), shape))
             buf = vary(jnp.zeros((length,), jnp.dtype(dtype_name)))
             return jax.device_put(buf, jax.memory.Space.Host) if space == "host" else buf
 

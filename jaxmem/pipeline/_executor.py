@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError, setting
-from jaxmem.models import RNG_SPEC, StagedModel, get_model
+from jaxmem._util import first_device, platform_of
+from jaxmem.models import RNG_SPEC, StagedModel, get_model, traced_for
 from jaxmem.pipeline._body import StepBody, varying_axes
 from jaxmem.pipeline._compute_copy import compute_model_abstract, may_cut_master, narrow_vocab
 from jaxmem.pipeline._iw import StageSplit, abstract_split
@@ -52,6 +53,7 @@ from jaxmem.pipeline._ticks import (
 )
 from jaxmem.policy import ResolvedPolicy, resolve
 from jaxmem.schedule import Kind, Schedule, forward_only, validate
+from jaxmem.targets import host_memory_kinds
 
 __all__ = ["Pipeline", "batch_spec", "make_mesh", "varying_axes"]
 
@@ -271,6 +273,20 @@ class Pipeline:
         self.optimizer_state_on_host = tuple(
             self.policy.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(self.virtual)
         )
+        self.platform = platform_of(mesh)
+        if (any(self.weights_on_host) or any(self.optimizer_state_on_host)) and not host_memory_kinds(mesh):
+            kind = first_device(mesh).device_kind
+            raise JaxmemError(
+                f"policy {self.policy.policy.name!r} keeps weights or optimizer state on host between steps, but "
+                f"these devices ({kind}) describe no host memory: "
+                + (
+                    "an H100 compiled for without one present (jax 0.10.2's compile-only GPU devices list no "
+                    "memory kinds), so the program would be compiled with that state on the device. Compile this "
+                    "policy on a machine with the GPUs, or for a TPU target; offload-stash compiles here"
+                    if self.platform == "gpu"
+                    else "choose a policy that keeps them on the device"
+                )
+            )
         self._master_cut = master_cut
         self.split_backward = bool(split_backward)
         self.hand_recomputed = bool(hand_recomputed)
@@ -512,8 +528,9 @@ class Pipeline:
     def stage_fn(self, c: StageClass, *, checkpointed: bool = True):
         """The stage function of a class, ``fn(stage_params, shared, x, batch)`` with ``shared`` as the
         pipeline holds it (without the vocabulary tables when they are split), wrapped in its policy's
-        ``jax.checkpoint``."""
-        return stage_forward(
+        ``jax.checkpoint``, traced for the mesh's platform (fused attention's kernel is the
+        platform's, :func:`~jaxmem.models.attention_platform`)."""
+        fn = stage_forward(
             self.model,
             first=c.first,
             last=c.last,
@@ -524,6 +541,7 @@ class Pipeline:
             families=c.families,
             policy=self.policy.variants[c.variant] if checkpointed else None,
         )
+        return traced_for(fn, self.platform)
 
     def _stash_to_host(self, c: StageClass) -> bool:
         return self.policy.variants[c.variant].offload_stash
@@ -596,7 +614,13 @@ class Pipeline:
         for c in dict.fromkeys(self.cell_classes.values()):
             stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract.stages[c.local])
             plan = analyze_stage(
-                self.stage_fn(c), stage, abstract.shared, message, micro, stash_to_host=self._stash_to_host(c)
+                self.stage_fn(c),
+                stage,
+                abstract.shared,
+                message,
+                micro,
+                stash_to_host=self._stash_to_host(c),
+                host_tiles=self.platform == "tpu",
             )
             _check_output(self.model, c, plan, message, self.vocab is not None)
             plans[c] = plan

@@ -27,7 +27,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var, jaxpr_as_fun
 
-__all__ = ["ResidualPlan", "analyze_stage", "emitted_tags", "flat_pack", "flat_unpack"]
+__all__ = ["ResidualPlan", "analyze_stage", "emitted_tags", "flat_pack", "flat_unpack", "host_tile_elems"]
+
+
+def host_tile_elems(dtype) -> int:
+    """Elements of one TPU memory tile of ``dtype`` (8 x 128 32-bit words, 16-bit values packed two to a
+    word): the unit a TPU host stash is laid out in. The TPU's asynchronous copies into host memory take
+    whole tiles only (a flat host buffer updated at any other offset fails to compile, "Lane slice
+    updating is not supported in async dynamic update slice"; a slice of a partial tile aborts the
+    compiler), so every residual a TPU keeps on host starts on a tile and fills whole tiles."""
+    return 1024 * max(1, 4 // np.dtype(dtype).itemsize)
+
+
+def host_tile_shape(dtype) -> tuple[int, int]:
+    """``(sublanes, lanes)`` of one :func:`host_tile_elems` tile of ``dtype``."""
+    return host_tile_elems(dtype) // 128, 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +82,7 @@ class ResidualPlan:
         stash_elems: per buffer ``(dtype, space)``, elements one microbatch stashes.
         used_shared: per shared leaf, whether the stage reads it at all (the middle stages read none
             of the embedding and head: they neither gather them nor add to their gradients).
+        host_tiles: host residuals start on a TPU tile and fill whole tiles (:func:`host_tile_elems`).
     """
 
     closed: ClosedJaxpr
@@ -79,6 +94,7 @@ class ResidualPlan:
     sources: tuple
     stash_elems: dict
     used_shared: tuple = ()
+    host_tiles: bool = False
 
     def stash_bytes_by_buffer(self) -> dict[tuple[str, str], int]:
         return {key: n * np.dtype(key[0]).itemsize for key, n in self.stash_elems.items()}
@@ -90,11 +106,21 @@ class ResidualPlan:
     def stashed_leaves(self) -> list[StashedLeaf]:
         return list(dict.fromkeys(src[1] for src in self.sources if src[0] == "stash"))
 
-    def forward(self, params, shared, x, batch, pin: Callable | None = None, pack: Callable | None = None):
+    def forward(
+        self,
+        params,
+        shared,
+        x,
+        batch,
+        pin: Callable | None = None,
+        pack: Callable | None = None,
+        host_put: Callable | None = None,
+    ):
         """Run the stage: returns ``(out, packed)``, packed = {(dtype, space): flat vector}. ``pin``:
         applied to each stashed residual before it is flattened (the executor's sharding constraint).
         ``pack``: ``pack(key, [(leaf, value), ...]) -> packed value`` in place of the flat vector
-        (the executor's layout of an arena cut over ``tensor``)."""
+        (the executor's layout of an arena cut over ``tensor``). ``host_put(leaf, value)``: a residual
+        kept on host as its host arena holds it (default: moved to host as it is)."""
         flat = jax.tree.leaves(params) + jax.tree.leaves(shared) + jax.tree.leaves(x) + jax.tree.leaves(batch)
         outs = jaxpr_as_fun(self.closed)(*flat)
         n_out = len(self.out_avals)
@@ -105,7 +131,9 @@ class ResidualPlan:
             if src[0] == "stash" and src[1] not in seen:
                 leaf = src[1]
                 seen.add(leaf)
-                if leaf.space == "host" and leaf.memory_space != "host":
+                if host_put is not None and leaf.space == "host":
+                    value = host_put(leaf, value)
+                elif leaf.space == "host" and leaf.memory_space != "host":
                     value = jax.device_put(value, jax.memory.Space.Host)
                 pieces[leaf.key].append((leaf, value))
         pack = pack or (lambda key, parts: flat_pack(parts, pin))
@@ -116,7 +144,9 @@ class ResidualPlan:
     ) -> Callable:
         """Rebuild the stage's pullback from parameters, the batch and a stash slot (``pin``: applied to
         each residual as it is read back, as in :meth:`forward`; ``unpack(leaf, packed[key])``: the
-        residual, in place of slicing the flat vector)."""
+        residual, in place of slicing the flat vector). A host buffer's slot may come on host or
+        already brought to the device; each residual is handed over in the memory space the
+        pullback's types say."""
         param_leaves = jax.tree.leaves(params)
         shared_leaves = jax.tree.leaves(shared)
         batch_leaves = jax.tree.leaves(batch)
@@ -142,8 +172,9 @@ class ResidualPlan:
             else:
                 leaf = src[1]
                 value = (unpack or (lambda leaf, vec: flat_unpack(leaf, vec, pin)))(leaf, packed[leaf.key])
-                if leaf.space == "host" and leaf.memory_space != "host":
-                    value = jax.device_put(value, jax.memory.Space.Device)
+                if leaf.space == "host":
+                    space = jax.memory.Space.Host if leaf.memory_space == "host" else jax.memory.Space.Device
+                    value = jax.device_put(value, space)
                 residuals.append(value)
         return jax.tree_util.tree_unflatten(self.treedef, residuals)
 
@@ -189,10 +220,14 @@ def emitted_tags(fn: Callable, *args) -> set[str]:
     return found
 
 
-def analyze_stage(stage_fn: Callable, params, shared, x, batch, *, stash_to_host: bool = False) -> ResidualPlan:
+def analyze_stage(
+    stage_fn: Callable, params, shared, x, batch, *, stash_to_host: bool = False, host_tiles: bool = False
+) -> ResidualPlan:
     """Trace ``jax.vjp`` of ``stage_fn(params, shared, x, batch)`` w.r.t. params, shared and x.
 
-    With ``stash_to_host`` every stashed residual is kept in host buffers between F and B.
+    With ``stash_to_host`` every stashed residual is kept in host buffers between F and B; with
+    ``host_tiles`` (a TPU) each residual kept on host starts on a tile and fills whole tiles
+    (:func:`host_tile_elems`).
     """
     box = {}
 
@@ -243,7 +278,10 @@ def analyze_stage(stage_fn: Callable, params, shared, x, batch, *, stash_to_host
             space = "host" if stash_to_host or memory_space == "host" else "device"
             offset = stash_elems.get((dtype, space), 0)
             leaf = StashedLeaf(dtype, offset, tuple(aval.shape), memory_space, space)
-            stash_elems[(dtype, space)] = offset + leaf.size
+            end = offset + leaf.size
+            if host_tiles and space == "host":
+                end = offset + _round_up(leaf.size, host_tile_elems(dtype))
+            stash_elems[(dtype, space)] = end
             stashed[v] = leaf
             sources.append(("stash", leaf))
         else:
@@ -262,4 +300,9 @@ def analyze_stage(stage_fn: Callable, params, shared, x, batch, *, stash_to_host
         n_shared=n_shared,
         sources=tuple(sources),
         stash_elems=stash_elems,
+        host_tiles=host_tiles,
     )
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit

@@ -101,6 +101,8 @@ class SearchResult:
     devices: int
     margin: float = 0.0
     confirmed: dict | None = None
+    # Whose compiler the working sets were compiled by: a target's name, or "cpu" (the devices here).
+    target: str = "cpu"
 
     @property
     def planned_bytes(self) -> float:
@@ -170,6 +172,7 @@ class SearchResult:
             "devices": self.devices,
             "budget_bytes": int(self.budget_bytes),
             "margin": self.margin,
+            "target": self.target,
             "confirmed": self.confirmed,
             "hardware": self.hardware,
             "best": None if self.best is None else self.best.to_json(),
@@ -238,6 +241,7 @@ def evaluate(
     vocab_parallel: bool | None = None,
     split_backward: bool = False,
     hand_recomputed: bool = False,
+    target=None,
 ) -> Candidate:
     """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``policy_name``: a
     ``chronos-*`` name, generated for the budget first (Chronos-Recomp/Offload), or any spec
@@ -245,14 +249,15 @@ def evaluate(
     ``vocab_parallel``, ``split_backward``: how the state and the math are cut and the backward
     split (:class:`~jaxmem.pipeline.Pipeline`; the candidate's ``split_backward`` says whether the
     split takes effect, :func:`~jaxmem.pipeline.splits_backward`); ``hand_recomputed``: with the
-    split, I hands W what it recomputed too (:class:`~jaxmem.pipeline.Pipeline`)."""
+    split, I hands W what it recomputed too (:class:`~jaxmem.pipeline.Pipeline`); ``target``: the
+    :class:`~jaxmem.targets.Target` whose compiler the ledger reads (None: the devices at hand)."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
     from jaxmem.pipeline import model_layer_counts, splits_backward
     from jaxmem.policy import PRESETS, chronos_policy, from_spec, resolve, reuse_distances
 
     model = get_model(model)
-    facts = model_facts(model)
+    facts = model_facts(model, target=target)
     hardware = get_hardware(hardware)
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     mb = batch // (data * fsdp * schedule.num_microbatches)
@@ -501,6 +506,7 @@ def search(
     margin: float = 0.0,
     split_backward: bool | None = None,
     hand_recomputed: bool | None = None,
+    target=None,
 ) -> SearchResult:
     """Search pipeline sizes x tensor splits x data/fsdp splits x schedules x microbatches x
     policies, and the FSDP-only layout; the fastest simulated candidate that fits wins. ``fsdp=False``
@@ -517,13 +523,24 @@ def search(
     measured on CPU, within the spread), nor for the generated ``chronos-*`` policies (each generation is a
     search of its own). ``margin``: a candidate fits when its prediction fits
     ``budget_bytes / (1 + margin)`` (e.g. :data:`LEDGER_MARGIN` where the pick cannot be compiled and
-    checked, see :func:`confirm`)."""
+    checked, see :func:`confirm`). ``target``: the :class:`~jaxmem.targets.Target` (or its name) whose
+    compiler the ledger's working sets and layouts come from (None: the devices at hand); ``hardware``
+    must be its profile."""
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
     from jaxmem.pipeline import splits_backward
+    from jaxmem.targets import parse_target
 
     model = get_model(model)
+    target = parse_target(target)
+    if target is not None and not target.compile_only:
+        target = None
     hw = get_hardware(hardware)
+    if target is not None and hw.name != target.name:
+        raise JaxmemError(
+            f"{setting('hardware', hw.name)} and {setting('target', str(target))} name two machines; a plan is for "
+            f"one: drop {setting('hardware')} (the target's profile is {target.name})"
+        )
     from jaxmem.policy import KEEP_GATHERED, PRESETS
 
     pairs = candidate_schedules(
@@ -570,6 +587,7 @@ def search(
                 hardware=hw,
                 split_backward=split,
                 hand_recomputed=hand,
+                target=target,
             )
             if hw.cores and cand.host_bytes:  # on a CPU the host memory is the device's: offloads save none of it
                 continue
@@ -589,6 +607,7 @@ def search(
         model=model.name,
         devices=devices,
         margin=margin,
+        target="cpu" if target is None else str(target.with_devices(devices)),
     )
 
 
@@ -618,7 +637,8 @@ def confirm(
     for c in fitting:
         compiled = float(compiled_bytes(c))
         if compiled <= result.budget_bytes:
-            what = f"compiled here: {human_bytes(compiled)}/device, within the budget"
+            where = "here" if result.target == "cpu" else f"for {result.target}"
+            what = f"compiled {where}: {human_bytes(compiled)}/device, within the budget"
             if rejected:
                 what += (
                     f" (the {len(rejected)} faster pick{'s' if len(rejected) > 1 else ''} did not fit when compiled)"

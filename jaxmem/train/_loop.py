@@ -52,8 +52,10 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
             floor,
         )
     # The run compiles here, so each pick is compiled and checked before it is taken (no margin
-    # needed); a plan for more devices than this machine has keeps the ledger's measured margin.
-    here = devices <= jax.device_count()
+    # needed); a plan for more devices than this machine has keeps the ledger's measured margin. A
+    # target's picks are compiled for its devices, here, with none present.
+    target = config.compile_target()
+    here = devices <= jax.device_count() or target is not None
     margin = config.margin if config.margin is not None else (0.0 if here else LEDGER_MARGIN)
     result = search(
         model,
@@ -66,6 +68,7 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
         vocab_parallel=config.vocab_parallel,
         margin=margin,
         progress=progress_lines(log),
+        target=target,
     )
     if result.best is None:  # said once, as the error (the search's own explanation says the same)
         need = f"{math.ceil(result.smallest_budget / 2**20 * 10) / 10:.1f}MiB"  # rounded up: it must fit
@@ -82,11 +85,49 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
         return compiled_bytes(trainers[id(candidate)].compile_abstract())
 
     if here:
-        log("plan: compiling the pick to check it fits ...")
+        where = "" if target is None else f" for {target.with_devices(devices)} (no device present)"
+        log(f"plan: compiling the pick{where} to check it fits ...")
         result = confirm(result, compiled, log=log)
     for line in result.explain(top=3):
         log(line)
     return planned_config(config, result.best, devices), result.to_json(), trainers.get(id(result.best))
+
+
+def _compiled_only(config: TrainConfig, trainer: Trainer, log, plan_record) -> dict:
+    """A run for a target whose devices are not here: its step compiled for them (nothing allocated,
+    nothing trained) and its memory read from the target's compiler, against the budget if given."""
+    target = config.compile_target().with_devices(config.num_devices)
+    log(f"compiling the step for {target} (no device present; nothing is trained here) ...")
+    start = time.perf_counter()
+    compiled = trainer.compile_abstract()
+    seconds = time.perf_counter() - start
+    device_bytes = compiled_bytes(compiled)
+    fits = None if not config.budget else device_bytes <= config.budget
+    log(
+        f"compiled for {target} in {seconds:.1f}s: {human_bytes(device_bytes)} per device"
+        + ("" if fits is None else f", {'within' if fits else 'over'} the budget of {human_bytes(config.budget)}")
+    )
+    log(f"to train it, run the same command where the {target.name} devices are attached")
+    return {
+        "trained": False,
+        "target": str(target),
+        "compiled_device_bytes": device_bytes,
+        "budget_bytes": config.budget,
+        "fits_budget": fits,
+        "compile_seconds": seconds,
+        "steps": 0,
+        "schedule": trainer.schedule.name,
+        "pipe": config.pipe,
+        "microbatches": config.microbatches,
+        "data_parallel": config.data_parallel,
+        "fsdp": config.fsdp,
+        "tensor": config.tensor,
+        "devices": config.num_devices,
+        "model": trainer.model.name,
+        "policy": None if config.policy is None else str(config.policy),
+        "plan": plan_record and plan_record["best"],
+        "interrupted": None,
+    }
 
 
 def planned_config(config: TrainConfig, best, devices: int) -> TrainConfig:
@@ -196,6 +237,8 @@ def train(
         return train_adaptive(config, progress=progress, hooks=hooks)
     trainer = trainer or planned or Trainer(config)
     config = trainer.config  # with the data's vocabulary
+    if trainer.compile_only:
+        return _compiled_only(config, trainer, log, plan_record)
     if _selective_without_quadratic(config, trainer.model):
         log(
             f"note: model {trainer.model.name} declares no 'quadratic' tag group, so selective recompute keeps "

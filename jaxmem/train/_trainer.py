@@ -137,6 +137,9 @@ class Trainer:
             config = dataclasses.replace(config, policy=policy, budget=config.budget if config.run_dir else None)
         self.config = config
         mesh = config.mesh
+        target = config.compile_target()
+        if devices is None and target is not None and not _attached(target):
+            devices = target.devices(config.num_devices)  # compile-only: the step compiles, it does not run
         self.mesh = make_mesh(mesh.data, mesh.pipe, devices, fsdp=mesh.fsdp, tensor=mesh.tensor)
         self.pipeline = Pipeline(
             self.model,
@@ -339,27 +342,42 @@ class Trainer:
         """The lowered (not yet compiled) step, e.g. for ``.compile().memory_analysis()``."""
         return self.step_fn.lower(state.params, state.opt_state, self.batch_spec())
 
-    def compile_abstract(self):
-        """The compiled step for this trainer's state as shapes and shardings: nothing allocated (for
-        ``memory_analysis()`` of a layout before choosing it)."""
+    def abstract_state(self) -> tuple:
+        """``(params, opt_state)`` of this trainer's state as shapes and shardings (nothing allocated)."""
 
         def spec(a, sharding):
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
+        abstract = self.pipeline.abstract_params()
+        params = jax.tree.map(spec, abstract, self.pipeline.master_shardings())
+        opt_state = jax.tree.map(spec, jax.eval_shape(self.optimizer.init, abstract), self.opt_state_shardings())
+        return params, opt_state
+
+    def compile_abstract(self):
+        """The compiled step for this trainer's state as shapes and shardings: nothing allocated (for
+        ``memory_analysis()`` of a layout before choosing it, or of a target's devices that are not
+        here, :mod:`jaxmem.targets`)."""
         if self._compiled is None:
-            abstract = self.pipeline.abstract_params()
-            params = jax.tree.map(spec, abstract, self.pipeline.master_shardings())
-            opt_state = jax.tree.map(spec, jax.eval_shape(self.optimizer.init, abstract), self.opt_state_shardings())
+            params, opt_state = self.abstract_state()
             self._compiled = self.step_fn.lower(params, opt_state, self.batch_spec()).compile()
         return self._compiled
 
+    @property
+    def compile_only(self) -> bool:
+        """The mesh's devices are a target's compile-only devices: the step can be compiled, not run."""
+        device = self.mesh.devices.flat[0]
+        return device not in jax.devices(device.platform) if device.platform in _local_platforms() else True
+
     def measure_memory(self, state: TrainState | None = None, compiled=None):
         """The compiled ledger of this trainer's step (:func:`jaxmem.memory.measure`); compiles the step
-        unless given, builds a state unless given."""
-
-        state = state or self.init_state()
-        compiled = compiled or self.compiled(state)
-        params, opt_state = abstract_state(state)
+        unless given. Without a ``state`` the step is compiled for its abstract state (nothing is
+        allocated: a target's devices need not be here)."""
+        if state is None:
+            compiled = compiled or self.compile_abstract()
+            params, opt_state = self.abstract_state()
+        else:
+            compiled = compiled or self.compiled(state)
+            params, opt_state = abstract_state(state)
         return measure(self.pipeline, compiled, batch=self.batch_spec(), params=params, opt_state=opt_state)
 
     def step(self, state: TrainState) -> tuple[TrainState, dict, Batch]:
@@ -459,6 +477,23 @@ def _load_data(config: TrainConfig):
         return None, None
     corpus = load_corpus(config.data, tokenizer=config.tokenizer, field=config.data_field, saved=config.checkpoint_dir)
     return corpus.split(config.eval_fraction)
+
+
+def _attached(target) -> bool:
+    """Whether this process runs on ``target``'s kind of device (its compile-only devices are then not
+    needed: the attached ones are compiled for)."""
+    from jaxmem._util import platform_of
+
+    try:
+        devices = jax.devices()
+    except RuntimeError:
+        return False
+    return platform_of(devices) == target.platform
+
+
+def _local_platforms() -> set[str]:
+    """The platforms whose devices this process runs on."""
+    return {d.platform for d in jax.devices()}
 
 
 def abstract_state(state: TrainState) -> tuple:
