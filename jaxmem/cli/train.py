@@ -76,8 +76,10 @@ def run(args) -> int:
     if args.json:
         print_json(summary)
     elif summary.get("trained") is False:
+        from jaxmem._util import human_bytes
+
         print(
-            f"compiled for {summary['target']}: {summary['compiled_device_bytes'] / 2**30:.2f} GiB per device; "
+            f"compiled for {summary['target']}: {human_bytes(summary['compiled_device_bytes'])} per device; "
             "nothing trained (the target's devices are not here)"
         )
         return 0 if summary["fits_budget"] is not False else 1
