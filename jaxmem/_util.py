@@ -13,6 +13,9 @@ from jaxmem._errors import JaxmemError, setting
 __all__ = [
     "LAUNCHER_ENV",
     "SETTINGS_ENV",
+    "call_factory",
+    "check_output_dir",
+    "check_output_file",
     "compiled_bytes",
     "compiled_platform",
     "compiled_temp_bytes",
@@ -58,6 +61,64 @@ def import_named(text: str, what: str, example: str):
     return obj
 
 
+def call_factory(obj, text: str, what: str, kind: str):
+    """``obj()`` when ``obj`` is a function taking no required arguments (what ``package.module:attr``
+    may name instead of the object itself); a function that needs arguments is refused, naming them.
+    ``text``, ``what`` and ``kind`` word the error ("os.path:join", "model", "a StagedModel")."""
+    import inspect
+
+    if isinstance(obj, type) or not callable(obj):
+        return obj
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without one: call it and see
+        signature = None
+    if signature is not None:
+        required = [
+            p.name
+            for p in signature.parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        if required:
+            raise JaxmemError(
+                f"{what} {text!r} is the function {getattr(obj, '__name__', obj)!r}, which needs arguments "
+                f"({', '.join(required)}); name {kind} or a function that builds one with no arguments"
+            )
+    return obj()
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written: its folder missing or a
+    file, the path itself a folder, or the folder not writable."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise JaxmemError(f"{flag} {path} is a directory; give a file name inside it")
+    if not os.path.isdir(parent):
+        found = _nearest_existing(parent)
+        if not os.path.isdir(found):
+            raise JaxmemError(f"{flag} {path}: {found} is a file, not a folder; choose another path")
+        raise JaxmemError(f"{flag} {path}: the folder {parent} does not exist; create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK):
+        raise JaxmemError(f"{flag} {path}: the folder {parent} is not writable; choose another path")
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """Refuse, before any work, an output folder that could not be created or written."""
+    found = _nearest_existing(path)
+    if not os.path.isdir(found):
+        what = "is a file" if found == os.path.abspath(path) else f"is under {found}, which is a file"
+        raise JaxmemError(f"{flag} {path} {what}; give a folder")
+    if not os.access(found, os.W_OK):
+        raise JaxmemError(f"{flag} {path}: {found} is not writable; choose another folder")
+
+
 def load_toml(path: str) -> dict:
     """A TOML file as a dict; a missing or malformed file is a :class:`JaxmemError` naming it."""
     try:
@@ -65,8 +126,14 @@ def load_toml(path: str) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise JaxmemError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise JaxmemError(f"config file {path!r} is a directory; give a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise JaxmemError(f"config file {path!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise JaxmemError(
+            f"config file {path!r} is not valid TOML: not UTF-8 text (byte {e.start}); give a TOML file"
+        ) from None
     except OSError as e:
         raise JaxmemError(f"cannot read config file {path!r}: {e.strerror or e}") from None
 

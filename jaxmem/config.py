@@ -167,8 +167,9 @@ class TrainConfig:
         grad_clip: clip the gradients' global norm to this (None: no clipping).
         seed: parameter initialisation and data order.
         data: ``text`` (the embedded corpus), ``synthetic`` (random tokens), or files: comma-separated
-            paths, globs or directories of text (``.txt``, ``.md``; a glob reads any file as text),
-            JSONL and Parquet files, or ``hf:NAME[:CONFIG]:SPLIT``, a Hugging Face dataset read
+            paths, globs or directories of text (``.txt``, ``.md``, ``.rst``; a glob reads any file as
+            text), JSON-lines (``.jsonl``, and ``.json`` files, read as JSON lines too) and Parquet
+            files, or ``hf:NAME[:CONFIG]:SPLIT``, a Hugging Face dataset read
             offline from the hub cache or a local directory (:func:`jaxmem.data.hf_documents`).
         data_field: the JSONL field / Parquet / dataset column holding the text.
         samples: for a model with a batch of its own (a classifier's images and labels), its training
@@ -407,7 +408,31 @@ class TrainConfig:
 
             object.__setattr__(self, "policy", from_spec(self.policy))
         if self.plan != "auto":
-            self.build_schedule()  # checked here; built again where used (generating one is cheap)
+            # The cheap checks first: a batch that does not divide is refused before a table is built.
+            replicas, M = self.replicas, self.microbatches
+            if not self.schedule_csv and self.batch_size % (replicas * M):
+                what = (
+                    f"{_s('data_parallel')} ({self.data_parallel}) x {_s('fsdp')} ({self.fsdp})"
+                    if self.fsdp > 1
+                    else f"{_s('data_parallel')} ({replicas})"
+                )
+                ok = [replicas * M * k for k in range(1, 4)]
+                raise JaxmemError(
+                    f"{_s('batch_size', self.batch_size)} is not divisible by {what} x {_s('microbatches', M)} = "
+                    f"{replicas * M:,}; use a batch size in {ok}, ... (or fewer microbatches)"
+                )
+            schedule = self.build_schedule()  # checked here; built again where used (generating one is cheap)
+            if schedule.forward_only:
+                raise JaxmemError(
+                    f"schedule {schedule.name!r} runs forwards only (no B, nor I and W): a training step needs a "
+                    "backward for every forward. Add them, e.g. after each NFm the same stage's NBm"
+                )
+            if self.split_backward and not _splits(schedule):
+                raise JaxmemError(
+                    f"{_s('split_backward')} hands what a backward's I computes to its W, and {schedule.name} has no "
+                    f"I or W actions (whole backwards only): it would change nothing. Drop {_s('split_backward')}, "
+                    "or use a schedule that splits its backwards (zb-h1, zbv, chronos)"
+                )
 
     def _check_init_from(self) -> None:
         import os
@@ -658,6 +683,13 @@ def with_overrides(config: TrainConfig, overrides) -> TrainConfig:
     """
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**_overridden(values, overrides, "override"))
+
+
+def _splits(schedule: Schedule) -> bool:
+    """The schedule splits some backward into I and W."""
+    from jaxmem.schedule import Kind
+
+    return any(action.kind is Kind.I for action in schedule.actions())
 
 
 def _overridden(values: dict, overrides, what: str) -> dict:

@@ -72,9 +72,25 @@ CASES = [
         ["launch", "--nprocs", "2", "--", "--nosuchflag"],
         "the jaxmem train arguments: unrecognized arguments: --nosuchflag",
     ),
+    # What is cheap to check is checked first: none of these builds a schedule, a device or a batch.
+    (["train", "--model", "os.path:join"], "is the function 'join', which needs arguments"),
+    (["train", "--steps", "2", "--batch-size", "1000000000"], "is more than the corpus pydoc topics holds"),
+    (["train", "--microbatches", "1000000"], "is not divisible by --data-parallel (1) x --microbatches 1000000"),
+    (["train", "--pipe", "100000"], "schedule of about 2,400,000 actions, more than 2,000,000"),
+    (["memory", "--microbatches", "1000000", "--batch-size", "1000000"], "more than 2,000,000"),
+    (["verify", "--microbatches", "1000000"], "more than 2,000,000"),
+    (["train", "--devices", "100000", "--pipe", "2"], "at most 4,096 virtual CPU devices can be made here"),
+    (["train", "--split-backward"], "1f1b has no I or W actions"),
+    (["verify", "--budget", "1GiB"], "say what a chronos-* --policy is generated for"),
+    (["sample", "x", "--seed", "-1"], "--seed: must be an integer >= 0, got -1"),
+    (
+        "elastic recovery --devices 4 --failed 1 --last-checkpoint 50 --steps-done 10 -- --pipe 4".split(),
+        "--last-checkpoint 50 is after --steps-done 10",
+    ),
 ]
 
 
+@pytest.mark.timeout(120)  # a case that hangs (a schedule of a million actions built) fails, not waits
 @pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
 def test_bad_input_is_a_short_error(capsys, argv, message):
     try:
@@ -119,7 +135,7 @@ def test_an_unwritable_checkpoint_or_run_directory_is_named(tmp_path, capsys):
                      "--steps", "1", "--quiet", flag, str(blocker / "sub")])  # fmt: skip
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err
-        assert f"pass a writable {flag}" in err and str(blocker / "sub") in err
+        assert f"{flag} {blocker / 'sub'} is under {blocker}, which is a file; give a folder" in err
 
 
 def test_data_that_cannot_be_read_as_asked_is_refused(tmp_path, capsys):
@@ -133,6 +149,46 @@ def test_data_that_cannot_be_read_as_asked_is_refused(tmp_path, capsys):
         # A vocabulary the text cannot fill: the run could not resume or share under that name.
         (["train", "--data", str(text), "--tokenizer", "bpe:5000", "--steps", "1"], "use --tokenizer bpe:"),
         (["train", "--data", str(text), "--tokenizer", "bpe:99999999", "--steps", "1"], "pick e.g. bpe:32000"),
+    ):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+
+
+def test_files_that_are_not_what_they_claim_are_refused_in_one_line(tmp_path, capsys):
+    garbage = bytes(range(256)) * 4
+    (tmp_path / "garbage.jsonl").write_bytes(garbage)
+    (tmp_path / "garbage.bin").write_bytes(garbage)
+    for argv, message in (
+        (["train", "--data", str(tmp_path / "garbage.jsonl"), "--steps", "1"], "garbage.jsonl:1: not UTF-8 text"),
+        (["train", "--config", str(tmp_path / "garbage.bin")], "is not valid TOML: not UTF-8 text"),
+        (["train", "--config", str(tmp_path)], "is a directory; give a TOML file"),
+    ):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+        assert len([line for line in err.splitlines() if line.strip() and "Warning" not in line]) == 1, err
+
+
+def test_a_runs_output_files_are_checked_before_the_run_starts(tmp_path, capsys, monkeypatch):
+    """--sample-log or --profile-report naming a folder was an IsADirectoryError after the run's work
+    (the adaptive run's report lost at its end): now refused before a model is built."""
+    import jaxmem.train._adaptive as adaptive
+    import jaxmem.train._loop as loop
+
+    def built(*args, **kwargs):
+        pytest.fail("the run started before its output paths were checked")
+
+    monkeypatch.setattr(loop, "Trainer", built)
+    monkeypatch.setattr(adaptive, "Trainer", built, raising=False)
+    monkeypatch.setattr(adaptive, "AdaptiveProfiler", built, raising=False)
+    for argv, message in (
+        (["train", "--steps", "1", "--sample-log", str(tmp_path)], f"--sample-log {tmp_path} is a directory"),
+        (
+            ["train", "--steps", "1", "--adaptive", "--budget", "1GiB", "--profile-report", str(tmp_path)],
+            f"--profile-report {tmp_path} is a directory",
+        ),
+        (["train", "--steps", "1", "--sample-log", str(tmp_path / "no" / "log.jsonl")], "does not exist; create it"),
     ):
         code = main(argv)
         err = capsys.readouterr().err

@@ -81,12 +81,14 @@ def test_unknown_config_key(tmp_path, capsys):
 
 
 def test_verify_json(capsys):
-    code = main(["verify", "--schedule", "zb-h1", "--pipe", "2", "--microbatches", "4", "--json"])
+    # A jaxmem plan pick verifies by the words of its train command: a chronos-* policy under --budget.
+    code = main(["verify", "--schedule", "zb-h1", "--pipe", "2", "--microbatches", "4", "--policy", "chronos-recomp",
+                 "--budget", "29MiB", "--hardware", "cpu", "--split-backward", "--json"])  # fmt: skip
     result = json.loads(capsys.readouterr().out)
     assert code == 0
     for key in ("ok", "max_abs_diff", "max_rel_diff", "schedule"):
         assert key in result
-    assert result["ok"] is True
+    assert result["ok"] is True and result["policy"] == "chronos-recomp"
 
 
 def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):

@@ -87,7 +87,7 @@ def test_corrupted_array_is_caught_by_the_manifest(tmp_path):
     ckpt.save(1, *trainer.export_state(state))
     ckpt.close()
     _damage(tmp_path / "ckpt" / "1")
-    with pytest.raises(CheckpointError, match="step 1 cannot be read|step 1: array .* does not match"):
+    with pytest.raises(CheckpointError, match="step 1 is damaged|array .* of step 1 does not match"):
         Checkpointer(tmp_path / "ckpt").restore(trainer.restore_target())
 
 
@@ -163,7 +163,8 @@ def test_a_damaged_latest_step_falls_back_and_is_kept_aside(tmp_path):
     restored = ckpt.restore(target, log=lines.append)
     assert restored.step == 2
     np.testing.assert_array_equal(restored.state["w"], state(2)["w"])
-    assert "checkpoint step 3 fails verification" in lines[0] and "falling back to checkpoint step 2" in lines[-1]
+    assert "checkpoint step 3 is damaged" in lines[0] and "resuming from checkpoint step 2" in lines[-1]
+    assert "array ['w'] of step 3 does not match the checksum" in lines[0] and "trying the step before it" in lines[0]
     assert (tmp_path / "ckpt" / "3.damaged").is_dir() and ckpt.steps() == [2]
     # The run goes on: step 3 is saved afresh and keep-last-2 collects only good steps.
     ckpt.save(3, state(30), {})
@@ -177,6 +178,30 @@ def test_a_damaged_latest_step_falls_back_and_is_kept_aside(tmp_path):
     with pytest.raises(CheckpointError, match=r"no checkpoint step 7 .*steps: \[3\]"):
         ckpt.restore(target, 7)
     ckpt.close()
+
+
+def test_a_truncated_data_file_or_a_lost_index_names_the_step_the_file_and_the_fallback(tmp_path):
+    import jax.numpy as jnp
+
+    for damage, file in (("truncate", "its array data under 2/state"), ("index", "its file 2/state/manifest.ocdbt")):
+        ckpt = Checkpointer(tmp_path / damage, every=1, keep=2)
+        for step in (1, 2):
+            ckpt.save(step, {"w": jnp.full((4096,), step, jnp.float32)}, {"seed": 0})
+        ckpt.close()
+        state = tmp_path / damage / "2" / "state"
+        if damage == "truncate":
+            for path in (p for p in state.rglob("*") if p.is_file() and p.parent.name == "d"):
+                path.write_bytes(path.read_bytes()[:10])
+        else:
+            (state / "manifest.ocdbt").unlink()
+        lines = []
+        ckpt = Checkpointer(tmp_path / damage)
+        restored = ckpt.restore({"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}, log=lines.append)
+        ckpt.close()
+        assert restored.step == 1 and float(restored.state["w"][0]) == 1.0
+        first = lines[0].splitlines()[0]
+        assert first.startswith("checkpoint step 2 is damaged: ") and file in first, lines
+        assert "trying the step before it" in first and "resuming from checkpoint step 1" in lines[-1]
 
 
 def test_no_step_that_verifies_and_a_step_without_a_manifest_are_refused(tmp_path):
@@ -208,6 +233,11 @@ def test_a_different_model_or_seed_is_named_not_called_damage(tmp_path, monkeypa
         for change, message in (
             (dict(vocab_size=300), "saved by a different model or optimizer .*6 shape.s. differ"),
             (dict(seed=5), "trained with seed=0, this run has seed=5"),
+            # Other dtypes read into the run's would fail every checksum: said as settings, not as damage.
+            (
+                dict(param_dtype="bfloat16"),
+                "was saved with other dtypes .*saved float32, this run bfloat16.*param_dtype",
+            ),
         ):
             run = dataclasses.replace(config, **change, steps=3, checkpoint_dir=str(tmp_path / "ckpt"))
             with pytest.raises(JaxmemError, match=message):

@@ -340,7 +340,7 @@ def test_devices_that_do_not_factor():
 
 
 def test_batch_not_divisible_by_microbatches():
-    with pytest.raises(JaxmemError, match=r"batch size 30 is not divisible by .* = 8; use a batch size in \[8, 16"):
+    with pytest.raises(JaxmemError, match=r"batch_size=30 is not divisible by .* = 8; use a batch size in \[8, 16"):
         Trainer(TrainConfig(batch_size=30))
 
 

@@ -5,6 +5,7 @@ TensorBoard events, bit-exact resume, export to safetensors and back, sampling."
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -485,3 +486,60 @@ def test_a_diverged_loss_is_not_checkpointed_and_saves_resume_when_it_comes_back
     said = "\n".join(lines)
     assert said.count("is not checkpointed") == 2 and "the last saved step, 20, stays" in said
     assert "saving again" in said and "step 31 is not saved; resume from step 30" in said
+
+
+def test_export_writes_only_where_it_was_asked_and_all_or_nothing(straight, corpus_dir, tmp_path, monkeypatch):
+    import shutil
+
+    import jaxmem.train._export as export
+
+    config, *_ = straight
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    before = sorted(p.name for p in data.rglob("*"))
+    for out, message in (
+        (config.checkpoint_dir, "is the checkpoint folder"),
+        (os.path.join(config.checkpoint_dir, "6"), "is inside the checkpoint folder"),
+        (str(data), "holds files that are not an export (a, b, notes.bin)"),
+    ):
+        with pytest.raises(JaxmemError, match=re.escape(message)):
+            export_checkpoint(config.checkpoint_dir, out)
+    assert sorted(p.name for p in data.rglob("*")) == before
+    # A full disk while the weights are written: no file of the export is left, in either format, and
+    # an earlier export in the folder stays whole.
+    earlier = tmp_path / "earlier"
+    export_checkpoint(config.checkpoint_dir, str(earlier))
+    kept = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    real = export._import_safetensors()
+
+    class FullDisk:
+        @staticmethod
+        def save_file(flat, path, metadata=None):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 1000)  # a part, then the disk is full
+            raise RuntimeError('serializing: IoError(Os { code: 28, message: "No space left on device" })')
+
+        load_file = real.load_file
+
+    monkeypatch.setattr(export, "_import_safetensors", lambda: FullDisk)
+    for fmt in ("jaxmem", "hf"):
+        for out, force in ((tmp_path / f"new-{fmt}", False), (earlier, True)):
+            with pytest.raises(
+                JaxmemError, match="could not write model.safetensors .*No space left.*ulimit -f.*nothing was written"
+            ):
+                export_checkpoint(config.checkpoint_dir, str(out), format=fmt, force=force)
+    assert not (tmp_path / "new-jaxmem").exists() and not (tmp_path / "new-hf").exists()
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == kept
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".jaxmem-export-")]
+
+
+def test_a_run_resumed_past_its_last_step_says_so(straight, tmp_path, capsys):
+    import shutil
+
+    config, *_ = straight
+    shutil.copytree(config.checkpoint_dir, tmp_path / "ckpt")
+    done = dataclasses.replace(config, steps=4, run_dir=None, checkpoint_dir=str(tmp_path / "ckpt"))
+    summary = train(done, progress=True)
+    err = " ".join(capsys.readouterr().err.split())
+    assert summary["losses"] == [] and summary["resumed_from"] == 6
+    assert "the run is already past its last step: it resumed at step 6" in err and "Give a larger steps" in err

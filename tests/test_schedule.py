@@ -274,7 +274,7 @@ def test_incompatible_microbatches_say_which_work():
 
 @pytest.mark.parametrize("p,m", [(0, 8), (4, 0), (-1, 4)])
 def test_sizes_below_one(p, m):
-    with pytest.raises(ScheduleError, match="must be >= 1"):
+    with pytest.raises(ScheduleError, match="must be an integer >= 1"):
         generate("1f1b", p, m)
 
 

@@ -9,6 +9,8 @@ import os
 import sys
 
 from jaxmem._errors import JaxmemError, first_line
+from jaxmem._util import check_output_dir as check_output_dir
+from jaxmem._util import check_output_file as check_output_file
 from jaxmem._util import load_toml as load_toml
 from jaxmem._util import parse_bytes as parse_bytes
 from jaxmem._util import parse_int_list as parse_int_list
@@ -35,39 +37,17 @@ def _number(kind, least: float, strict: bool, what: str):
 positive_int = _number(int, 1, False, "an integer >= 1")
 non_negative_int = _number(int, 0, False, "an integer >= 0")
 positive_float = _number(float, 0.0, True, "a number > 0")
+
+
+def seed_int(text: str) -> int:
+    """An argparse ``type`` for a seed: an integer 0 <= seed < 2**63 (what ``jax.random.key`` takes)."""
+    value = non_negative_int(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63 (jax.random.key takes a 64-bit integer), got {text}")
+    return value
+
+
 non_negative_float = _number(float, 0.0, False, "a finite number >= 0")
-
-
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def check_output_file(path: str, flag: str) -> None:
-    """Refuse, before any work, an output file that could not be written: its folder missing or a
-    file, the path itself a folder, or the folder not writable."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise JaxmemError(f"{flag} {path} is a directory; give a file name inside it")
-    if not os.path.isdir(parent):
-        found = _nearest_existing(parent)
-        if not os.path.isdir(found):
-            raise JaxmemError(f"{flag} {path}: {found} is a file, not a folder; choose another path")
-        raise JaxmemError(f"{flag} {path}: the folder {parent} does not exist; create it first (mkdir -p {parent})")
-    if not os.access(parent, os.W_OK):
-        raise JaxmemError(f"{flag} {path}: the folder {parent} is not writable; choose another path")
-
-
-def check_output_dir(path: str, flag: str) -> None:
-    """Refuse, before any work, an output folder that could not be created or written."""
-    found = _nearest_existing(path)
-    if not os.path.isdir(found):
-        what = "is a file" if found == os.path.abspath(path) else f"is under {found}, which is a file"
-        raise JaxmemError(f"{flag} {path} {what}; give a folder")
-    if not os.access(found, os.W_OK):
-        raise JaxmemError(f"{flag} {path}: {found} is not writable; choose another folder")
 
 
 def add_attention_argument(p) -> None:
@@ -178,13 +158,24 @@ def prefer_cpu_when_alone() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+# XLA's CPU client starts 4,096 virtual devices in 11 s here; with 100,000 it crashed the process.
+MAX_VIRTUAL_DEVICES = 4096
+
+
 def setup_devices(count: int | None) -> None:
     """Ask XLA for ``count`` virtual CPU devices, before JAX is imported.
 
     On a GPU/TPU machine the flag only affects the (unused) host platform, so the same command uses
     the real accelerators there. If JAX is already imported the flag cannot take effect; callers
-    then check the device count and explain.
+    then check the device count and explain. On a machine without an accelerator, more than
+    :data:`MAX_VIRTUAL_DEVICES` are refused (compile for a target's devices instead: ``--target``).
     """
+    if count is not None and count > MAX_VIRTUAL_DEVICES and no_accelerator_here():
+        raise JaxmemError(
+            f"{count:,} devices asked for, and this machine has no accelerator: at most {MAX_VIRTUAL_DEVICES:,} "
+            "virtual CPU devices can be made here. Use fewer (a smaller mesh), or plan and compile for the "
+            "accelerator's devices with --target (e.g. --target tpu-v5p:8x8x8)"
+        )
     if count is None or "jax" in sys.modules:
         return
     flags = os.environ.get("XLA_FLAGS", "")

@@ -45,7 +45,8 @@ def add_arguments(p) -> None:
         "--data",
         metavar="SOURCE",
         help="text (the embedded corpus, default), synthetic (random tokens), your files: paths, globs or "
-        "directories of .txt/.md, .jsonl and .parquet files, comma-separated, or a Hugging Face dataset: "
+        "directories of .txt/.md/.rst, JSON-lines (.jsonl; .json files are read as JSON lines too) and .parquet "
+        "files, comma-separated, or a Hugging Face dataset: "
         "hf:NAME[:CONFIG]:SPLIT, read offline from the hub cache or a local dataset directory (jaxmem[hf])",
     )
     g.add_argument(

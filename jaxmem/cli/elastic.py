@@ -80,6 +80,16 @@ def run(args) -> int:
     if bad:
         raise JaxmemError(f"--failed {bad}: device ranks are 0..{args.devices - 1}")
     failed = sorted({f // args.devices_per_proc for f in args.failed})
+    if args.steps_done and args.last_checkpoint > args.steps_done:
+        raise JaxmemError(
+            f"--last-checkpoint {args.last_checkpoint} is after --steps-done {args.steps_done}: a job saves only steps "
+            "it reached. Give the step of the last checkpoint at or before the failure"
+        )
+    for flag, step in (("--steps-done", args.steps_done), ("--last-checkpoint", args.last_checkpoint)):
+        if step > config.steps:
+            raise JaxmemError(
+                f"{flag} {step} is past the job's last step (--steps {config.steps}); give the job's --steps after --"
+            )
     budget = None if args.budget is None else parse_bytes(args.budget)
     recovery = choose_recovery(
         config,

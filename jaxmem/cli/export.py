@@ -10,6 +10,7 @@ from jaxmem.cli._common import (
     non_negative_int,
     positive_int,
     print_json,
+    seed_int,
     setup_devices,
 )
 
@@ -49,18 +50,27 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "export",
         help="write a checkpoint's weights as safetensors + config.json (+ tokenizer)",
-        description="Export the parameters of a `jaxmem train` checkpoint in the model's own layout.",
+        description="Export the parameters of a `jaxmem train` checkpoint: in jaxmem's own layout (to load "
+        "back with jaxmem or into your Flax module) or, with --format hf, in Hugging Face transformers' layout "
+        "(to load with from_pretrained). Every file is written, or none.",
         epilog=_EXPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("checkpoint", help="a --checkpoint-dir of jaxmem train")
-    p.add_argument("-o", "--out", required=True, help="output directory (created if missing)")
+    p.add_argument(
+        "-o",
+        "--out",
+        required=True,
+        help="output directory: new, empty, or an earlier export (with --force); never the checkpoint's own",
+    )
     p.add_argument("--step", type=non_negative_int, help="which step (default: the latest)")
     p.add_argument(
         "--format",
         choices=["jaxmem", "hf"],
         default="jaxmem",
-        help="jaxmem (the model's own names; default) or hf (Hugging Face transformers' GPT-2 / Llama names)",
+        help="jaxmem (default): the model's own parameter names and layout, for jaxmem.train.load_exported, "
+        "jaxmem sample and nnx.update into your module; hf: Hugging Face transformers' GPT-2 / Llama names and "
+        "layout, for from_pretrained and jaxmem train --init-from (the built-in GPT and Llama)",
     )
     p.add_argument("--force", action="store_true", help="overwrite an earlier export in OUT")
     p.add_argument("--json", action="store_true", help="print config.json")
@@ -80,7 +90,7 @@ def add_parser(sub) -> None:
     )
     s.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default 0.8)")
     s.add_argument("--top-k", type=positive_int, help="sample among the K most likely tokens")
-    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    s.add_argument("--seed", type=seed_int, default=0, help="sampling seed, 0 to 2**63 - 1 (default 0)")
     s.add_argument("--step", type=non_negative_int, help="checkpoint step (default: the latest)")
     s.set_defaults(run=run_sample)
 

@@ -71,6 +71,10 @@ def run(args) -> int:
     run_dir = args.run_dir or default_run_dir()
     # As the workers will take them: the run's folders below their arguments. Checked before any file is made.
     config = parse_train_args(train_args, defaults=run_defaults(run_dir))
+    if isinstance(config.model, str) and ":" not in config.model:
+        from jaxmem.models import get_config
+
+        get_config(config.model)  # a preset's name, checked before the devices the workers would need
     failures = [parse_failure(f) for f in args.inject_failure]
     if args.run_dir:
         check_output_dir(args.run_dir, "--run-dir")

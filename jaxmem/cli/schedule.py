@@ -101,10 +101,6 @@ def add_parser(sub) -> None:
     parser.set_defaults(run=None)
 
 
-# Tables beyond this many actions take minutes to build and cannot be read.
-MAX_ACTIONS = 2_000_000
-
-
 def _schedule_from_args(args) -> sch.Schedule:
     csv_path = getattr(args, "csv", None)
     if csv_path and args.name:
@@ -115,10 +111,10 @@ def _schedule_from_args(args) -> sch.Schedule:
         names = ", ".join(g.name for g in sch.list_generators())
         raise sch.ScheduleError(f"name a schedule ({names}) or pass --csv FILE")
     actions = 3 * args.pipe * (args.virtual or 2) * args.microbatches
-    if actions > MAX_ACTIONS:
+    if actions > sch.MAX_ACTIONS:
         raise sch.ScheduleError(
             f"--pipe {args.pipe} x --microbatches {args.microbatches} makes about {actions:,} actions, more "
-            f"than this command lays out ({MAX_ACTIONS:,}); use fewer stages or microbatches"
+            f"than this command lays out ({sch.MAX_ACTIONS:,}); use fewer stages or microbatches"
         )
     return sch.generate(args.name, args.pipe, args.microbatches, args.virtual)
 
@@ -228,6 +224,7 @@ def _check(args) -> int:
     print(
         f"valid: {args.file}: {s.num_ranks} ranks, {s.num_stages} stages, {s.num_microbatches} microbatches"
         f"{', split backward (I/W)' if s.split_backward else ''}"
+        f"{'; forwards only: a table for evaluation, which jaxmem train refuses' if s.forward_only else ''}"
     )
     return 0
 

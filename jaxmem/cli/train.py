@@ -105,6 +105,6 @@ def run(args) -> int:
 
 
 def _losses(summary: dict) -> str:
-    if summary["loss_first"] is None:  # resumed at its last step
-        return "no step left to run"
+    if summary["loss_first"] is None:  # resumed at or past its last step
+        return f"nothing to run (resumed at step {summary['first_step']})"
     return f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"

@@ -132,12 +132,12 @@ def list_files(spec: str) -> list[str]:
 
 
 def read_documents(path: str, field: str = "text") -> Iterator[str]:
-    """The documents of one file: a text file is one; a JSONL line or a Parquet row is one (its
-    ``field``)."""
+    """The documents of one file: a text file is one; a JSON-lines line (``.jsonl`` and ``.json`` files
+    are both read as JSON lines) or a Parquet row is one (its ``field``)."""
     lower = path.lower()
     if lower.endswith(_JSON_SUFFIXES):
         with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+            for number, line in _utf8_lines(f, path):
                 if not line.strip():
                     continue
                 try:
@@ -175,6 +175,19 @@ def read_documents(path: str, field: str = "text") -> Iterator[str]:
             raise JaxmemError(
                 f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it or leave it out"
             ) from None
+
+
+def _utf8_lines(f, path: str):
+    """``(number, line)`` of a text file, a clear error at the first line that is not UTF-8."""
+    number = 0
+    try:
+        for number, line in enumerate(f, 1):  # noqa: B007 -- read in the except clause
+            yield number, line
+    except UnicodeDecodeError as e:
+        raise JaxmemError(
+            f"{path}:{number + 1}: not UTF-8 text ({e.reason}); a JSON-lines file holds one JSON object per "
+            "line of UTF-8 text. Convert it or leave it out"
+        ) from None
 
 
 HF_PREFIX = "hf:"

@@ -93,6 +93,21 @@ class DataIterator:
                 raise JaxmemError(
                     f"sequence length {self.seq_len} is longer than the corpus {corpus.name} ({len(corpus)} tokens)"
                 )
+            if self.batch_size > self.num_windows:
+                raise JaxmemError(
+                    f"a batch of {self.batch_size:,} sequences is more than the corpus {corpus.name} holds: "
+                    f"{len(corpus):,} tokens make {self.num_windows:,} windows of {self.seq_len} + 1 tokens, and a "
+                    "step would take some of them twice. Give a smaller batch size or sequence length, or more data"
+                )
+        # A global batch is built on the host, tokens and targets of int32: refuse one the host cannot hold.
+        host_bytes = 2 * 4 * self.batch_size * self.seq_len
+        limit = _physical_memory() // 2
+        if limit and host_bytes > limit:
+            raise JaxmemError(
+                f"a batch of {self.batch_size:,} x {self.seq_len:,} tokens takes {host_bytes / 2**30:,.1f} GiB on the "
+                f"host (tokens and targets, int32), more than half of this machine's memory "
+                f"({2 * limit / 2**30:,.1f} GiB); give a smaller batch size"
+            )
 
     @property
     def corpus(self) -> Corpus | None:
@@ -140,3 +155,13 @@ class DataIterator:
 
 def make_data(source, *, batch_size: int, seq_len: int, seed: int = 0, vocab_size: int = 256) -> DataIterator:
     return DataIterator(source=source, batch_size=batch_size, seq_len=seq_len, seed=seed, vocab_size=vocab_size)
+
+
+def _physical_memory() -> int:
+    """Bytes of this machine's memory (0 where the system does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

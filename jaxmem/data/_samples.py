@@ -118,11 +118,11 @@ class Samples:
 
 def load_samples(text: str) -> Samples:
     """The :class:`Samples` ``package.module:attr`` names (or a function it names returns)."""
-    from jaxmem._util import import_named
+    from jaxmem._util import call_factory, import_named
 
     obj = import_named(text, "samples", "mydata:train")
-    if not isinstance(obj, Samples) and callable(obj):
-        obj = obj()
+    if not isinstance(obj, Samples):
+        obj = call_factory(obj, text, "samples", "a jaxmem.data.Samples")
     if not isinstance(obj, Samples):
         raise JaxmemError(
             f"samples {text!r} is a {type(obj).__name__}; name a jaxmem.data.Samples or a function returning one "

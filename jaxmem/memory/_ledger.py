@@ -230,7 +230,7 @@ def predict(
     assignment = tuple(index[cells[key]] for key in sorted(cells))
     sizes = tuple(tuple(sorted(class_sizes[c].items())) for c in classes)
     transfers = tuple(tuple(sorted(class_transfers[c].items())) for c in classes)
-    stash_dev, stash_host, live, act_slots, grad_slots = _stash_layout(
+    stash_dev, stash_host, live, act_slots, grad_slots, largest_arena = _stash_layout(
         schedule, classes, sizes, assignment, vocab, transfers
     )
     messages = (act_slots + 1 + grad_slots + 1) * facts.message_bytes(mb, seq)
@@ -296,6 +296,8 @@ def predict(
         {
             "target": "cpu" if facts.target is None else facts.target.kind,
             "transient_terms": {k: int(round(v)) for k, v in terms.items() if v},
+            # Elements of the largest stash arena (per device); the executor indexes them with int32.
+            "largest_arena_elems": int(largest_arena),
             "fsdp": fsdp,
             "tensor": tensor,
             "zero": zero and replicas > 1,
@@ -376,7 +378,7 @@ def _stash_layout(
         transfer_elems=dict(zip(classes, map(dict, transfers))) if transfers else None,
     )
     stash_dev, stash_host, live = _arena_bytes(tick)
-    return stash_dev, stash_host, tuple(live), tick.act_slots, tick.grad_slots
+    return stash_dev, stash_host, tuple(live), tick.act_slots, tick.grad_slots, max(tick.arena_elems, default=0)
 
 
 def _arena_bytes(tick) -> tuple[float, float, list[float]]:

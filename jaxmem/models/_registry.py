@@ -75,11 +75,11 @@ def get_model(spec, **overrides) -> StagedModel:
 def _imported(text: str) -> StagedModel:
     """The model ``package.module:attr`` names (cached: every lookup of one name gives one object, so
     its traced facts are shared)."""
-    from jaxmem._util import import_named
+    from jaxmem._util import call_factory, import_named
 
     obj = import_named(text, "model", "mymodels:vit")
-    if not isinstance(obj, (StagedModel, type)) and callable(obj):  # a factory (a class is not one)
-        obj = obj()
+    if not isinstance(obj, StagedModel):  # a factory (a class is not one)
+        obj = call_factory(obj, text, "model", "a StagedModel")
     if not isinstance(obj, StagedModel):
         raise JaxmemError(
             f"model {text!r} is {'the class ' + obj.__name__ if isinstance(obj, type) else 'a ' + type(obj).__name__}; "

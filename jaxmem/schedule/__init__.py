@@ -11,6 +11,7 @@ from jaxmem.schedule._csv import save_csv as save_csv
 from jaxmem.schedule._csv import schedule_from_csv_text as schedule_from_csv_text
 from jaxmem.schedule._csv import schedule_to_csv_text as schedule_to_csv_text
 from jaxmem.schedule._draw import draw as draw
+from jaxmem.schedule._generators import MAX_ACTIONS as MAX_ACTIONS
 from jaxmem.schedule._generators import GeneratorInfo as GeneratorInfo
 from jaxmem.schedule._generators import align as align
 from jaxmem.schedule._generators import chronos as chronos

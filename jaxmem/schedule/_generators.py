@@ -417,8 +417,13 @@ def get_generator(name: str) -> GeneratorInfo:
     raise ScheduleError(f"unknown schedule {name!r}; valid names: {valid}")
 
 
+# Tables beyond this many actions take minutes to build and validate, and cannot be read.
+MAX_ACTIONS = 2_000_000
+
+
 def generate(name: str, pipe: int, microbatches: int, virtual: int | None = None) -> Schedule:
-    """Build a registered schedule by name.
+    """Build a registered schedule by name (refused, before any work, when its table would hold more
+    than :data:`MAX_ACTIONS` actions).
 
     >>> generate("1F1B", 4, 8).num_stages
     4
@@ -426,6 +431,16 @@ def generate(name: str, pipe: int, microbatches: int, virtual: int | None = None
     8
     """
     info = get_generator(name)
+    for what, value in (("pipe", pipe), ("microbatches", microbatches), ("virtual", virtual)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ScheduleError(f"{setting(what)} must be an integer >= 1, got {value!r}")
+    actions = 3 * pipe * (virtual or info.default_virtual or 1) * microbatches
+    if actions > MAX_ACTIONS:
+        raise ScheduleError(
+            f"{setting('pipe', pipe)} x {setting('microbatches', microbatches)} makes a schedule of about "
+            f"{actions:,} actions, more than {MAX_ACTIONS:,} (it would take minutes to build and check); use fewer "
+            "stages or microbatches"
+        )
     if info.takes_virtual:
         return info.fn(pipe, microbatches, virtual if virtual is not None else info.default_virtual)
     if virtual not in (None, info.default_virtual):

@@ -9,6 +9,7 @@ from jaxmem.search._search import Candidate as Candidate
 from jaxmem.search._search import SearchError as SearchError
 from jaxmem.search._search import SearchResult as SearchResult
 from jaxmem.search._search import candidate_schedules as candidate_schedules
+from jaxmem.search._search import check_budget_floor as check_budget_floor
 from jaxmem.search._search import chronos_moves as chronos_moves
 from jaxmem.search._search import confirm as confirm
 from jaxmem.search._search import evaluate as evaluate

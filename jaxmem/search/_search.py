@@ -18,6 +18,7 @@ from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import human_bytes
 
 __all__ = [
+    "check_budget_floor",
     "CHRONOS_MOVES",
     "Candidate",
     "SearchError",
@@ -182,6 +183,9 @@ class SearchResult:
             "explanation": self.explain(),
         }
 
+
+# A stash arena's elements are indexed with int32 in the executor (jaxmem.pipeline._body).
+MAX_ARENA_ELEMS = 2**31
 
 CHRONOS_MOVES = {
     "chronos-recomp": ("selective", "recompute-layers", "recompute-all"),
@@ -376,6 +380,15 @@ def evaluate(
     else:
         policy = from_spec(policy_name)
         result = run(policy)
+    fits = result.device_bytes <= budget
+    arena = result.ledger.meta.get("largest_arena_elems", 0) if result.ledger is not None else 0
+    if fits and arena >= MAX_ARENA_ELEMS:
+        # The executor indexes a stash arena with int32: a larger one does not run, whatever it fits.
+        fits = False
+        note = (
+            f"{note + '; ' if note else ''}its stash arena of {arena:,} elements is beyond the executor's int32 "
+            f"indexing ({MAX_ARENA_ELEMS:,})"
+        )
     return Candidate(
         schedule=schedule.name,
         virtual=schedule.num_stages // schedule.num_ranks if schedule.num_stages > schedule.num_ranks else None,
@@ -392,7 +405,7 @@ def evaluate(
         host_bytes=result.host_bytes,
         step_seconds=result.step_seconds,
         tokens_per_second=result.tokens_per_second,
-        fits=result.device_bytes <= budget,
+        fits=fits,
         note=note,
     )
 
@@ -466,6 +479,23 @@ def candidate_schedules(
             for m in sorted({m for m in (1, 2, 4) if local % m == 0}):
                 out.append((generate("interleaved-1f1b", 1, m, model.n_layers // per_stage), 1, devices, 1))
     return out
+
+
+def check_budget_floor(model, devices: int, budget_bytes: int) -> None:
+    """Refuse, before any search or compile, a budget under the floor no plan goes under: the
+    parameters, their gradients and Adam's two moments, spread perfectly over every device."""
+    from jaxmem._util import tree_bytes
+
+    param_bytes = tree_bytes(model.abstract_params())
+    floor = 4 * param_bytes / devices
+    if budget_bytes < floor:
+        raise SearchError(
+            f"nothing fits a budget of {human_bytes(budget_bytes)} per device on {devices} devices: the "
+            f"parameters, gradients and optimizer state alone take {human_bytes(4 * param_bytes)}, at least "
+            f"{human_bytes(floor)} per device however they are cut (give a larger {setting('budget')}, or more "
+            "devices)",
+            floor,
+        )
 
 
 def progress_lines(log, *, lines: int | None = 10):

@@ -9,7 +9,7 @@ import time
 from jaxmem.config import TrainConfig
 from jaxmem.profiler import AdaptiveProfiler
 from jaxmem.train._console import StopRequests, console_log
-from jaxmem.train._hooks import StepInfo, default_hooks
+from jaxmem.train._hooks import StepInfo, check_outputs, default_hooks
 from jaxmem.train._trainer import Trainer
 
 __all__ = ["adaptive_workload", "train_adaptive"]
@@ -50,6 +50,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
     (sequence length, dropped layers) of a resumed run continues where the saved one stopped.
     """
 
+    check_outputs(config)  # before any work: the report is never lost at the run's end
     console, log = console_log(progress)
     trainer = Trainer(config)
     hooks = [*default_hooks(config, log), *hooks]

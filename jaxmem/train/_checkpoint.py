@@ -312,8 +312,8 @@ def _verify_checksums(step: int, manifest: dict, tree, key=lambda name: name) ->
         want = saved.get(key(name))
         if want is None or got[field] != want.get(field) or got["shape"] != want["shape"]:
             raise CheckpointError(
-                f"checkpoint step {step}: array {name} does not match the checksum saved with it "
-                "(file damaged or changed after saving)"
+                f"array {name} of step {step} does not match the checksum saved with it (a data file damaged or "
+                "changed after saving)"
             )
 
 
@@ -383,10 +383,26 @@ _QUIET_AFTERMATH = _QuietAftermath()
 
 
 def _check_same_arrays(step: int, manifest: dict, target: dict) -> None:
-    """Refuse a step whose arrays (names, shapes) are not the ones ``target`` expects."""
-    want = {jax.tree_util.keystr(p): list(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(target)}
+    """Refuse a step whose arrays (names, shapes, dtypes) are not the ones ``target`` expects: saved by
+    other settings -- said as such, before any array is read (a step read into other dtypes would
+    fail its checksums as if it were damaged)."""
+    leaves = jax.tree_util.tree_leaves_with_path(target)
+    want = {jax.tree_util.keystr(p): list(leaf.shape) for p, leaf in leaves}
     saved = {name: entry["shape"] for name, entry in manifest.items()}
     if want == saved:
+        dtypes = {jax.tree_util.keystr(p): str(np.dtype(leaf.dtype)) for p, leaf in leaves}
+        differ = [
+            f"{name}: saved {entry['dtype']}, this run {dtypes[name]}"
+            for name, entry in manifest.items()
+            if entry.get("dtype") and entry["dtype"] != dtypes[name]
+        ]
+        if differ:
+            raise CheckpointMismatch(
+                f"checkpoint step {step} was saved with other dtypes ({len(differ)} array(s) differ, e.g. "
+                f"{differ[0]}): it was trained with another {setting('param_dtype')} or {setting('dtype')}. Resume "
+                f"with the settings that trained it, or pass a new {setting('checkpoint_dir')} (jaxmem export "
+                f"--format hf, then {setting('init_from')}, carries its weights over)"
+            )
         return
     missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
     both = sorted(set(want) & set(saved))
@@ -610,11 +626,15 @@ class Checkpointer:
             except CheckpointError as e:
                 failed.append(candidate)
                 reasons.append(str(e))
-                log(f"checkpoint step {candidate} fails verification: {e}")
+                detail = getattr(e, "detail", "")
+                log(
+                    f"checkpoint step {candidate} is damaged: {e}; trying the step before it"
+                    + (f" (read error: {detail})" if detail else "")
+                )
                 continue
             if failed:
                 self._set_aside(failed, log)
-                log(f"falling back to checkpoint step {candidate}, the newest that verifies")
+                log(f"resuming from checkpoint step {candidate}, the newest that verifies")
             return restored
         raise CheckpointError(
             f"no checkpoint step in {self.directory} verifies ({'; '.join(reasons)}). Nothing was changed; start "
@@ -672,11 +692,25 @@ class Checkpointer:
             args = ocp.args.PyTreeRestore(tree, restore_args=restore_args, partial_restore=partial)
             state = self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise bare Exception on damaged data
-            raise CheckpointError(
-                f"step {step} cannot be read (damaged or incomplete files): {first_line(e)}"
-            ) from None
+            error = CheckpointError(self._damage(step))
+            error.detail = first_line(e)[:160]
+            raise error from None
         _verify_checksums(step, manifest, state)
         return state
+
+    def _damage(self, step: int) -> str:
+        """Which file of a step that cannot be read is at fault, as far as the folder shows: a missing
+        index (an OCDBT manifest), else its data files under ``state/ocdbt.process_*/d``."""
+        state = self.directory / str(step) / "state"
+        manifests = [state / "manifest.ocdbt", *sorted(state.glob("ocdbt.process_*/manifest.ocdbt"))]
+        missing = [str(m.relative_to(self.directory)) for m in manifests if not m.exists()]
+        if not state.is_dir():
+            return f"its folder {state} is missing"
+        if missing:
+            return f"its file {missing[0]} is missing"
+        data = sorted(str(d.relative_to(self.directory)) for d in state.glob("ocdbt.process_*/d"))
+        where = data[0] if len(data) == 1 else f"{step}/state"
+        return f"its array data under {where} is truncated or damaged"
 
     def _set_aside(self, steps: list[int], log, why: str = "damaged") -> None:
         """Move steps out of Orbax's sight as ``<step>.<why>`` (kept for inspection, never deleted)."""

@@ -3,10 +3,13 @@ safetensors (plus ``config.json`` and the tokenizer), loaded back into the model
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -126,14 +129,96 @@ def _manifest_digest(manifest) -> str | None:
 
 
 def _write_weights(flat: dict, out_dir: str, metadata: dict) -> None:
-    """``out_dir/model.safetensors``, written whole or not at all (a temporary file renamed), readable
-    as any file the user writes."""
-    tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
-    _import_safetensors().save_file(flat, tmp, metadata=metadata)
+    """``out_dir/model.safetensors`` (``out_dir`` a staging folder: :func:`_staged`), readable as any
+    file the user writes."""
+    path = os.path.join(out_dir, WEIGHTS)
+    try:
+        _import_safetensors().save_file(flat, path, metadata=metadata)
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError for an OSError
+        if isinstance(e, OSError):
+            raise
+        raise _WriteError(WEIGHTS, str(e)) from None
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
+    os.chmod(path, 0o666 & ~umask)
+
+
+# Every file an export may write: an earlier export's are replaced (with force), never anything else.
+EXPORT_FILES = (WEIGHTS, CONFIG, TOKENIZER, TOKENIZER_CONFIG)
+
+
+class _WriteError(Exception):
+    """A file of an export could not be written (``file``, ``reason``)."""
+
+    def __init__(self, file: str, reason: str):
+        super().__init__(file, reason)
+        self.file, self.reason = file, reason
+
+
+def check_export_dir(out_dir: str, *, force: bool = False, checkpoint_dir: str | None = None) -> None:
+    """Refuse an export folder that is not for an export: the run's checkpoint folder or one inside it,
+    a folder holding files that are not an earlier export (a data folder, say), or an earlier export
+    without ``force``. Nothing is written here."""
+    out = os.path.realpath(out_dir)
+    if checkpoint_dir is not None:
+        ckpt = os.path.realpath(checkpoint_dir)
+        if out == ckpt or out.startswith(ckpt + os.sep):
+            where = "the checkpoint folder" if out == ckpt else "inside the checkpoint folder"
+            raise JaxmemError(
+                f"{setting('out_dir', out_dir)} is {where} {checkpoint_dir}: an export never writes into a run's "
+                "checkpoints. Give a folder beside it"
+            )
+    if not os.path.isdir(out):
+        return
+    present = sorted(os.listdir(out))
+    others = [f for f in present if f not in EXPORT_FILES and not f.startswith(".jaxmem-export-")]
+    if others:
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+        raise JaxmemError(
+            f"{setting('out_dir', out_dir)} holds files that are not an export ({shown}); an export writes only into "
+            f"an empty or new folder, or over an earlier export. Give another {setting('out_dir')}"
+        )
+    if any(f in (WEIGHTS, CONFIG) for f in present) and not force:
+        raise JaxmemError(
+            f"{out_dir} already holds an export ({WEIGHTS}); choose another {setting('out_dir')} or set "
+            f"{setting('force')}"
+        )
+
+
+@contextlib.contextmanager
+def _staged(out_dir: str):
+    """A staging folder beside ``out_dir``; when the block ends, its files replace ``out_dir``'s (an
+    earlier export's files it does not write are removed) -- all of them, or, when a file could not be
+    written (a full disk, a file-size limit), none: the staging folder is removed and the error says
+    which file and why, ``out_dir`` untouched."""
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".jaxmem-export-", dir=parent)
+    try:
+        yield staging
+    except (OSError, _WriteError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, _WriteError):
+            file, reason = e.file, e.reason
+            if "No space left" in reason or "File too large" in reason:
+                reason += " (free disk space or raise the file-size limit, ulimit -f)"
+        else:
+            file = os.path.basename(e.filename) if getattr(e, "filename", None) else "a file"
+            reason = e.strerror or str(e)
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                reason += " (free disk space or raise the file-size limit, ulimit -f)"
+        raise JaxmemError(f"the export could not write {file} ({reason}); nothing was written to {out_dir}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    written = os.listdir(staging)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in EXPORT_FILES:  # an earlier export's files this one does not write
+        if name not in written and os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+    for name in written:
+        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def export_checkpoint(
@@ -172,12 +257,7 @@ def export_checkpoint(
             f"is a model of your own (export it with {setting('format', 'jaxmem')})"
         )
     meta = restored.meta
-    if os.path.exists(os.path.join(out_dir, WEIGHTS)) and not force:
-        raise JaxmemError(
-            f"{out_dir} already holds an export ({WEIGHTS}); choose another {setting('out_dir')} or set "
-            f"{setting('force')}"
-        )
-    os.makedirs(out_dir, exist_ok=True)
+    check_export_dir(out_dir, force=force, checkpoint_dir=checkpoint_dir)
     tokenizer = meta.get("tokenizer") or "byte"
     saved_tokenizer = os.path.join(checkpoint_dir, TOKENIZER)
     if tokenizer != "byte" and not os.path.exists(saved_tokenizer):
@@ -189,9 +269,7 @@ def export_checkpoint(
     if format == "hf":
         run_tokenizer = ByteTokenizer() if tokenizer == "byte" else get_tokenizer(saved_tokenizer)
         extra = {"jaxmem": {"model": description, "checkpoint": provenance, "param_count": param_count}}
-        return save_hf(model, flat, out_dir, tokenizer=run_tokenizer, extra=extra)
-    if tokenizer != "byte":
-        shutil.copyfile(saved_tokenizer, os.path.join(out_dir, TOKENIZER))
+        return save_hf(model, flat, out_dir, tokenizer=run_tokenizer, extra=extra, force=True)
     config = {
         "format": FORMAT,
         "version": 1,
@@ -201,36 +279,42 @@ def export_checkpoint(
         "checkpoint": provenance,
         "param_count": param_count,
     }
-    _write_weights(flat, out_dir, {"format": FORMAT, "step": str(restored.step)})
-    with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
+    with _staged(out_dir) as staging:
+        if tokenizer != "byte":
+            shutil.copyfile(saved_tokenizer, os.path.join(staging, TOKENIZER))
+        _write_weights(flat, staging, {"format": FORMAT, "step": str(restored.step)})
+        with open(os.path.join(staging, CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
     return config
 
 
-def save_hf(model, params, out_dir: str, *, tokenizer=None, extra: dict | None = None) -> dict:
+def save_hf(model, params, out_dir: str, *, tokenizer=None, extra: dict | None = None, force: bool = True) -> dict:
     """Write a built-in GPT or Llama with ``params`` (its own tree, or named arrays as
     :func:`flatten_params` gives them) as ``transformers`` saves a ``GPT2LMHeadModel`` /
     ``LlamaForCausalLM``: ``config.json`` (with ``extra`` keys added), ``model.safetensors`` and, for a
     ``tokenizer`` (a :class:`~jaxmem.data.Tokenizer`; a byte-level one is written as a byte-level
     ``tokenizer.json`` whose ids are the bytes), ``tokenizer.json`` and ``tokenizer_config.json``.
+    Every file is written, or none (``out_dir`` untouched); a folder holding files that are not an
+    export is refused, an earlier export replaced unless ``force`` is False.
     Returns ``config.json``'s content."""
     if describe_model(model) is None:
         raise JaxmemError(f"save_hf writes the built-in GPT and Llama; {model.name} is a model of your own")
+    check_export_dir(out_dir, force=force)
     flat = flatten_params(params)  # named arrays name themselves the same way
-    os.makedirs(out_dir, exist_ok=True)
     eos_id = None
-    if tokenizer is not None:
-        hf_tokenizer = tokenizer.as_bpe() if isinstance(tokenizer, ByteTokenizer) else tokenizer
-        hf_tokenizer.save(out_dir)
-        eos_id = hf_tokenizer.eos_id
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_seq_len}
-        settings |= {"clean_up_tokenization_spaces": False, **({"eos_token": EOS} if eos_id is not None else {})}
-        with open(os.path.join(out_dir, TOKENIZER_CONFIG), "w") as f:
-            json.dump(settings, f, indent=2)
-    config = {**hf_config(model.config, eos_id=eos_id), **(extra or {})}
-    _write_weights(to_hf(flat, model.config), out_dir, {"format": "pt"})  # transformers checks for "pt"
-    with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
+    with _staged(out_dir) as staging:
+        if tokenizer is not None:
+            hf_tokenizer = tokenizer.as_bpe() if isinstance(tokenizer, ByteTokenizer) else tokenizer
+            hf_tokenizer.save(staging)
+            eos_id = hf_tokenizer.eos_id
+            settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_seq_len}
+            settings |= {"clean_up_tokenization_spaces": False, **({"eos_token": EOS} if eos_id is not None else {})}
+            with open(os.path.join(staging, TOKENIZER_CONFIG), "w") as f:
+                json.dump(settings, f, indent=2)
+        config = {**hf_config(model.config, eos_id=eos_id), **(extra or {})}
+        _write_weights(to_hf(flat, model.config), staging, {"format": "pt"})  # transformers checks for "pt"
+        with open(os.path.join(staging, CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
     return config
 
 
@@ -365,6 +449,12 @@ def load_model(path: str, *, step: int | None = None, model=None) -> Exported:
     """An export directory (either format), or a checkpoint directory (its latest or given step), as
     :class:`Exported` (``model``: for a model of your own)."""
 
+    export = (is_hf_directory(path) and model is None) or os.path.exists(os.path.join(path, CONFIG))
+    if export and step is not None:
+        raise JaxmemError(
+            f"{path} is an export (one step's weights), not a checkpoint folder: {setting('step', step)} chooses a "
+            f"step of a checkpoint folder. Drop {setting('step')}, or give the run's checkpoint folder"
+        )
     if is_hf_directory(path) and model is None:
         return load_hf(path)
     if os.path.exists(os.path.join(path, CONFIG)):

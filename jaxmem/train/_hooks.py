@@ -25,6 +25,7 @@ __all__ = [
     "Hook",
     "SampleLogHook",
     "StepInfo",
+    "check_outputs",
     "default_hooks",
 ]
 
@@ -207,6 +208,20 @@ class SampleLogHook(Hook):
         if jax.process_index() == 0:
             with open(self.path, "a") as f:
                 f.write(f"{state.step} {' '.join(str(i) for i in info.batch.sample_ids)}\n")
+
+
+def check_outputs(config: TrainConfig) -> None:
+    """Refuse, before any work, an output of the run that could not be written: ``sample_log`` and
+    ``profile_report`` (files), ``run_dir`` and ``checkpoint_dir`` (folders) -- a folder where a file
+    goes, a missing or read-only parent."""
+    from jaxmem._util import check_output_dir, check_output_file
+
+    for field in ("sample_log", "profile_report"):
+        if getattr(config, field):
+            check_output_file(getattr(config, field), setting(field))
+    for field in ("run_dir", "checkpoint_dir"):
+        if getattr(config, field):
+            check_output_dir(getattr(config, field), setting(field))
 
 
 def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line: None) -> list[Hook]:

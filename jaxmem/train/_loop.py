@@ -11,14 +11,14 @@ import jax
 import numpy as np
 
 from jaxmem._errors import JaxmemError, setting
-from jaxmem._util import compiled_bytes, human_bytes, tree_bytes
+from jaxmem._util import compiled_bytes, human_bytes
 from jaxmem.config import TrainConfig
 from jaxmem.memory import get_hardware
 from jaxmem.policy import from_spec
-from jaxmem.search import LEDGER_MARGIN, SearchError, confirm, progress_lines, search
+from jaxmem.search import LEDGER_MARGIN, SearchError, check_budget_floor, confirm, progress_lines, search
 from jaxmem.train._adaptive import train_adaptive
 from jaxmem.train._console import StopRequests, console_log
-from jaxmem.train._hooks import Hook, StepInfo, default_hooks
+from jaxmem.train._hooks import Hook, StepInfo, check_outputs, default_hooks
 from jaxmem.train._metrics import MetricsHook, model_flops_per_step
 from jaxmem.train._state import scalar
 from jaxmem.train._trainer import Trainer
@@ -39,18 +39,7 @@ def _plan(config: TrainConfig, log) -> tuple[TrainConfig, dict, Trainer | None]:
     name = config.hardware_profile()
     devices = config.devices or config.num_devices
     model = config.build_model()
-    # Before the search and the CPU's calibration: the parameters, their gradients and Adam's two
-    # moments, spread perfectly over every device, are a floor no plan goes under.
-    param_bytes = tree_bytes(model.abstract_params())
-    floor = 4 * param_bytes / devices
-    if config.budget < floor:
-        raise SearchError(
-            f"nothing fits a budget of {human_bytes(config.budget)} per device on {devices} devices: the "
-            f"parameters, gradients and optimizer state alone take {human_bytes(4 * param_bytes)}, at least "
-            f"{human_bytes(floor)} per device however they are cut (give a larger {setting('budget')}, or more "
-            "devices)",
-            floor,
-        )
+    check_budget_floor(model, devices, config.budget)  # before the search and the CPU's calibration
     # The run compiles here, so each pick is compiled and checked before it is taken (no margin
     # needed); a plan for more devices than this machine has keeps the ledger's measured margin. A
     # target's picks are compiled for its devices, here, with none present.
@@ -228,6 +217,7 @@ def train(
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    check_outputs(config)  # before any work: a run's output is never lost at its end
     console, log = console_log(progress)
     plan_record = None
     planned = None
@@ -262,6 +252,12 @@ def train(
         log(f"note: {warning}")
     resumed_from = state.step if state.step != first_step else None
     first_step = state.step
+    if state.step >= config.steps:
+        log(
+            f"the run is already past its last step: it resumed at step {state.step} (from "
+            f"{config.checkpoint_dir}) and {setting('steps', config.steps)}; nothing to run. Give a larger "
+            f"{setting('steps')} to train further"
+        )
     # Samples of a model with a batch of its own are counted as samples, token windows as tokens.
     per_step, unit = (
         (config.batch_size, "samples")
@@ -273,7 +269,7 @@ def train(
     )
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
-    if progress:
+    if progress and state.step < config.steps:
         data = trainer.data_name if trainer.corpus is not None or trainer.samples is not None else "synthetic tokens"
         tokenizer = f", {trainer.tokenizer.name} tokens" if trainer.tokenizer is not None else ""
         console.print(
