@@ -103,6 +103,13 @@ def test_jsonl_and_parquet_documents(tmp_path):
         load_corpus(str(tmp_path / "d.jsonl"))
     with pytest.raises(JaxmemError, match="no column 'text'"):
         load_corpus(str(tmp_path / "d.parquet"))
+    # A .json file is read as JSON lines (as the docs and --data's help say), and not-UTF-8 bytes in
+    # one are named by file and line.
+    (tmp_path / "d.json").write_text((tmp_path / "d.jsonl").read_text())
+    assert load_corpus(str(tmp_path / "d.json"), field="body").documents == 5
+    (tmp_path / "bad.json").write_bytes(b'{"body": "ok"}\n\xff\xfe\n')
+    with pytest.raises(JaxmemError, match=r"bad.json:2: not UTF-8 text"):
+        load_corpus(str(tmp_path / "bad.json"), field="body")
 
 
 def test_hugging_face_datasets_from_the_hub_cache_and_local_directories(tmp_path):

@@ -136,7 +136,7 @@ def read_documents(path: str, field: str = "text") -> Iterator[str]:
     are both read as JSON lines) or a Parquet row is one (its ``field``)."""
     lower = path.lower()
     if lower.endswith(_JSON_SUFFIXES):
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             for number, line in _utf8_lines(f, path):
                 if not line.strip():
                     continue
@@ -178,16 +178,17 @@ def read_documents(path: str, field: str = "text") -> Iterator[str]:
 
 
 def _utf8_lines(f, path: str):
-    """``(number, line)`` of a text file, a clear error at the first line that is not UTF-8."""
-    number = 0
-    try:
-        for number, line in enumerate(f, 1):  # noqa: B007 -- read in the except clause
-            yield number, line
-    except UnicodeDecodeError as e:
-        raise JaxmemError(
-            f"{path}:{number + 1}: not UTF-8 text ({e.reason}); a JSON-lines file holds one JSON object per "
-            "line of UTF-8 text. Convert it or leave it out"
-        ) from None
+    """``(number, line)`` of a file opened in binary, each line decoded as UTF-8 (universal newlines
+    as text mode reads them); a clear error naming the first line that is not UTF-8."""
+    for number, raw in enumerate(f, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise JaxmemError(
+                f"{path}:{number}: not UTF-8 text ({e.reason}); a JSON-lines file holds one JSON object per line "
+                "of UTF-8 text. Convert it or leave it out"
+            ) from None
+        yield number, line.replace("\r\n", "\n").replace("\r", "\n")
 
 
 HF_PREFIX = "hf:"
