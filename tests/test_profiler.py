@@ -230,3 +230,36 @@ def test_the_policy_choice_is_a_pure_function_of_the_predictions():
     assert escalate_policy(ladder, 5.5 * mib, "selective", 7.5 * mib) == "recompute-all"
     with pytest.raises(BudgetError, match="no stronger policy"):
         escalate_policy(ladder, 4.5 * mib, "selective", 7.5 * mib)
+
+
+def test_the_prediction_path_compiles_only_for_the_first_signature(trainer, monkeypatch):
+    """Compiles counted, not timed: a new signature's policies are priced with working sets derived
+    from ones compiled already (same stage role and policy, another length or depth). The first
+    signature compiles at most two working sets per stage role (its one- and two-layer stages, from
+    which deeper ones are extrapolated) for each policy it prices (and it prices only those it
+    prefers to the one that fits); every later signature -- new lengths, dropped layers -- compiles
+    none. The exact ledger at such a length would compile."""
+    import jax.stages
+
+    compiles = []
+    real = jax.stages.Lowered.compile
+
+    def counted(self, *args, **kwargs):
+        compiles.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    profiler = _profiler(trainer, 64 * MiB)
+    per_policy = 2 * 2  # pipe=2: a first and a last stage, each of one and of two layers
+    # Lengths no other test prices (the facts of a built-in model are shared by the process).
+    scores, choice = profiler._scores(4, 24, frozenset())
+    priced = [p for p, s in scores.items() if s[0] is not None]
+    # (None at all when this process has compiled the model's working sets at another length already.)
+    assert choice in priced and len(compiles) <= per_policy * len(priced), (len(compiles), priced)
+    for seq, drop in ((40, frozenset()), (48, frozenset({1})), (24, frozenset({0}))):
+        before = len(compiles)
+        scores, choice = profiler._scores(4, seq, drop)
+        assert choice is not None and len(compiles) == before, (seq, drop, len(compiles) - before)
+    before = len(compiles)
+    profiler.predict(choice, 4, 40, frozenset())  # the exact ledger compiles the working sets at 40
+    assert len(compiles) > before

@@ -21,6 +21,7 @@ from jaxmem.memory._cost import step_costs as step_costs
 from jaxmem.memory._facts import ModelFacts as ModelFacts
 from jaxmem.memory._facts import StageFacts as StageFacts
 from jaxmem.memory._facts import model_facts as model_facts
+from jaxmem.memory._facts import working_sets as working_sets
 from jaxmem.memory._ledger import CATEGORIES as CATEGORIES
 from jaxmem.memory._ledger import Bytes as Bytes
 from jaxmem.memory._ledger import Ledger as Ledger

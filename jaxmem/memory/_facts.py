@@ -30,15 +30,50 @@ model carries it (``StagedModel.analytic``); tests check it against the traced f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+import math
 import weakref
 
 import numpy as np
 
 from jaxmem._util import compiled_temp_bytes, tree_bytes
 
-__all__ = ["WORKSET_MICROBATCH", "ModelFacts", "StageFacts", "StaticBytes", "TensorFacts", "model_facts"]
+__all__ = [
+    "WORKSET_MICROBATCH",
+    "ModelFacts",
+    "StageFacts",
+    "StaticBytes",
+    "TensorFacts",
+    "model_facts",
+    "working_sets",
+]
+
+# How the facts get a backward's working set: "compiled" (the stage's pullback compiled alone, as the
+# module says), "derived" (from a working set compiled already for the same stage role and policy,
+# at another sequence length or depth, scaled by the stage's activation volume: no compile once one
+# is known), or "none" (0: for step times, which do not read it).
+_WORKING_SETS: contextvars.ContextVar = contextvars.ContextVar("jaxmem_working_sets", default="compiled")
+
+
+@contextlib.contextmanager
+def working_sets(mode: str):
+    """Within the block, the facts' working sets are ``"compiled"`` (the default), ``"derived"`` or
+    ``"none"`` (see ``_WORKING_SETS``). Derived facts are never kept (a figure compiled later
+    stands for them at once, and none stands for a compiled one outside the block); a working set
+    compiled because none was known yet is cached as always. The online profiler scores policies with
+    derived working sets and confirms its pick with the program's own compile
+    (:mod:`jaxmem.profiler`)."""
+    if mode not in ("compiled", "derived", "none"):
+        raise ValueError(f"working_sets mode must be 'compiled', 'derived' or 'none', got {mode!r}")
+    token = _WORKING_SETS.set(mode)
+    try:
+        yield
+    finally:
+        _WORKING_SETS.reset(token)
+
 
 # Sequences per microbatch at which a stage's backward is compiled to read its working set (then
 # scaled per sequence): XLA lays out a microbatch of one differently (size-1 axes dropped), which
@@ -424,7 +459,10 @@ class ModelFacts:
             seq,
             vocab,
             families if families is None else tuple(families),
+            _WORKING_SETS.get(),
         )
+        if _WORKING_SETS.get() == "derived":  # not kept: a compiled working set may come to stand for it
+            return self._stage(first, last, layers, policy, microbatch, seq, vocab, families)
         if key not in self._cache:
             self._cache[key] = self._stage(first, last, layers, policy, microbatch, seq, vocab, families)
         return self._cache[key]
@@ -515,7 +553,7 @@ class ModelFacts:
         return tuple(families)
 
     def _per_sequence(self, first, last, fams, policy, seq, vocab=False) -> StageFacts:
-        key = ("stage", first, last, fams, policy, seq, vocab)
+        key = ("stage", first, last, fams, policy, seq, vocab, _WORKING_SETS.get())
         if key in self._cache:
             return self._cache[key]
         if self.gpt is not None:
@@ -532,7 +570,8 @@ class ModelFacts:
                 two = self._per_sequence(first, last, (f, f), policy, seq, vocab)
                 facts = facts.combine(two, 1, 1).combine(one, 1, -1)
             facts = dataclasses.replace(facts, working_bytes=self._working(first, last, fams, policy, seq, vocab))
-        self._cache[key] = facts
+        if _WORKING_SETS.get() != "derived":  # (as in stage(): derived facts are not kept)
+            self._cache[key] = facts
         return facts
 
     def _stage_params(self, fams: tuple[int, ...], lead=()):
@@ -770,6 +809,9 @@ class ModelFacts:
             return max(base + sum(two[f] - one[f] for f in fams), max(two.values()))
         key = ("working", first, last, fams, policy, seq, vocab, tensor, split)
         cache = self._stage_cache
+        mode = _WORKING_SETS.get()
+        if key not in cache and mode != "compiled":
+            return 0.0 if mode == "none" else self._derived_working(key)
         if key not in cache:
             import jax
 
@@ -805,6 +847,50 @@ class ModelFacts:
             temps = [float(compiled_temp_bytes(part.compile(options))) for part in lowered]
             cache[key] = max(temps) / mb
         return cache[key]
+
+    def _derived_working(self, key: tuple) -> float | None:
+        """A working set (``key`` as :meth:`_working`'s) from the nearest one compiled already for the
+        same stage role, policy, vocabulary, tensor and split -- at another sequence length, or for
+        a stage of other layers (a dropped one) -- scaled by the two stages' activation volumes (their
+        save-all stash: what a backward's temporaries are made of). Compiled when none is known."""
+        _, first, last, fams, policy, seq, vocab, tensor, split = key
+        cache = self._stage_cache
+        known = [
+            k
+            for k in list(cache)
+            if len(k) == 9 and k[0] == "working" and k[1:3] == (first, last) and k[4] == policy and k[6:] == key[6:]
+        ]
+        if not known:
+            with working_sets("compiled"):
+                return self._working(first, last, fams, policy, seq, vocab, tensor, split)
+        # Nearest: the same layers first, then the nearest length (a longer one: scaling down holds
+        # better than up -- the tiny GPT's stages within 1.5% from 128 to 64, 10-28% over from 32 up).
+        ref = min(known, key=lambda k: (k[3] != fams, abs(math.log(k[5] / seq)), k[5] < seq, len(k[3])))
+        volume, ref_volume = (
+            self._activation_bytes(first, last, fams, seq, vocab),
+            self._activation_bytes(first, last, ref[3], ref[5], vocab),
+        )
+        if cache[ref] is None or ref_volume <= 0:
+            return None
+        return cache[ref] * volume / ref_volume
+
+    def _activation_bytes(self, first, last, fams, seq, vocab) -> float:
+        """Per sequence, the stage's save-all stash: its activation volume (closed form for jaxmem's
+        GPT, else traced), without its working set."""
+        from jaxmem.policy import PRESETS
+
+        save_all = PRESETS["save-all"].bind(self.model.tags)
+        if self.gpt is not None:
+            return self._analytic(first, last, len(fams), save_all, seq, vocab).full_bytes
+        if not fams and not (first or last):
+            return 0.0
+        if len(fams) > 2:  # each further layer adds what a second of its family adds to a first
+            volume = self._activation_bytes(first, last, fams[:1], seq, vocab)
+            for f in fams[1:]:
+                two = self._activation_bytes(first, last, (f, f), seq, vocab)
+                volume += two - self._activation_bytes(first, last, (f,), seq, vocab)
+            return volume
+        return float(self._traced_plan(first, last, fams, save_all, seq, vocab)[0].stash_bytes())
 
     def tensor_working(
         self, *, first, last, layers, policy, microbatch, seq, vocab=False, tensor=1, families=None

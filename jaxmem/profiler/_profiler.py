@@ -6,9 +6,13 @@ or Python control flow (layer drop decided in Python). Per call the profiler com
 signature -- shapes and dtypes of the batch, the static arguments, and, in ``fingerprint`` mode, a
 hash of the traced program -- and dispatches to the program cached for it. On a new signature it:
 
-1. profiles from compile-time facts, without compiling: the analytical ledger's device bytes and the
-   simulated step time (FLOPs, recompute, host transfers) of every policy on a ladder (save-all,
-   selective, recompute-all, then offload), starting from the nearest known signature's choice;
+1. profiles from compile-time facts: the simulated step time (FLOPs, recompute, host transfers) of
+   every policy on a ladder (save-all, selective, recompute-all, then offload), which compiles
+   nothing, then the ledger's device bytes of the policies in the order step 2 prefers them until
+   one fits. The ledger's working sets are derived (``jaxmem.memory.working_sets("derived")``): from
+   one compiled for the same stage role and policy at another length or depth, scaled by the
+   activation volume -- so only the model's first signature compiles stage backwards (at most two
+   per stage role for each policy it prices), later lengths and dropped layers none;
 2. picks the fastest policy predicted to fit the budget (with a safety margin learned from how
    compiled figures compared with predictions so far) and compiles it -- the compile the change
    needs anyway;
@@ -48,7 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 
 from jaxmem._errors import JaxmemError
-from jaxmem.memory import compiled_bytes, estimate, get_hardware, host_bytes_counted_as_device
+from jaxmem.memory import compiled_bytes, estimate, get_hardware, host_bytes_counted_as_device, working_sets
 
 __all__ = ["LADDER", "AdaptiveProfiler", "BudgetError", "SignatureRecord", "choose_policy", "escalate_policy"]
 
@@ -145,9 +149,8 @@ class _Probe:
     """A policy compiled beside a signature's program, to measure what it really costs here."""
 
     policy: str
-    future: Future  # -> (compiled step, compiled device bytes)
+    future: Future  # -> (compiled step, compiled device bytes, predicted device bytes)
     simulated_step_seconds: float
-    predicted_bytes: int
     reason: str  # "never measured" or "measured faster elsewhere"
     times: list = dataclasses.field(default_factory=list)  # the probe's steps (first: warm-up)
     rematch: list = dataclasses.field(default_factory=list)  # the chosen program's, right after
@@ -223,6 +226,7 @@ class AdaptiveProfiler:
         self.programs: dict[tuple, _Program] = {}
         self.records: list[SignatureRecord] = []
         self.compile_count = 0
+        self.prediction_count = 0  # policies priced by the ledger (each may compile a working set once)
         self.compile_seconds: list[float] = []  # every compile, foreground and background
         self.background_compile_seconds: list[float] = []  # the exploring ones (off the step's path)
         self.last_policy: str | None = None  # the policy of the program the last step ran
@@ -262,11 +266,17 @@ class AdaptiveProfiler:
         return self.base.with_policy(policy, drop_layers)
 
     def predict(self, policy: str, batch: int, seq: int, drop_layers) -> tuple[float, float, float]:
-        """(predicted device bytes, expected step seconds, simulated step seconds) of a policy, without
-        compiling; expected = simulated x the measured correction for that policy (when known)."""
+        """(predicted device bytes, expected step seconds, simulated step seconds) of a policy;
+        expected = simulated x the measured correction for that policy (when known). The working set
+        is the ledger's (compiled, once per stage role, policy and length); the profiler itself scores
+        with derived ones (:meth:`_scores`)."""
+        result = self._estimate(policy, batch, seq, drop_layers, memory=True)
+        seconds = result.step_seconds
+        return result.device_bytes, seconds * self._factor(policy), seconds
 
+    def _estimate(self, policy: str, batch: int, seq: int, drop_layers, *, memory: bool):
         base = self.base
-        result = estimate(
+        return estimate(
             base.model,
             base.schedule,
             policy,
@@ -282,9 +292,45 @@ class AdaptiveProfiler:
             hardware=self.hardware,
             split_backward=base.split_backward,
             hand_recomputed=base.hand_recomputed,
+            memory=memory,
         )
-        seconds = result.step_seconds
-        return result.device_bytes, seconds * self._factor(policy), seconds
+
+    def _seconds(self, policy: str, batch: int, seq: int, drop_layers) -> tuple[float, float]:
+        """(expected, simulated) step seconds of a policy: the time model reads no working set, so
+        none is compiled or derived for it."""
+        with working_sets("none"):
+            seconds = self._estimate(policy, batch, seq, drop_layers, memory=False).step_seconds
+        return seconds * self._factor(policy), seconds
+
+    def _device_bytes(self, policy: str, batch: int, seq: int, drop_layers) -> float:
+        """The ledger's device bytes of a policy with derived working sets: from one compiled for the
+        same stage role and policy at another length or depth, scaled by the activation volume (no
+        compile once one is known; the program's own compile confirms the pick)."""
+        self.prediction_count += 1
+        with working_sets("derived"):
+            return self._estimate(policy, batch, seq, drop_layers, memory=True).device_bytes
+
+    def _scores(self, batch: int, seq: int, drop_layers, neighbour=None) -> tuple[dict, str | None]:
+        """Every policy's (device bytes, expected seconds, simulated seconds), the bytes priced lazily:
+        in the order :func:`choose_policy` prefers them (fastest expected first), until one fits the
+        budget (x the learned margin) -- the policies it would pass over are priced, the slower
+        ones left None (priced when escalating or exploring needs them). Returns the scores and the
+        first that fits (None: none does; all priced)."""
+        times = {p: self._seconds(p, batch, seq, drop_layers) for p in self.policies}
+        scores = {p: (None, *times[p]) for p in self.policies}
+        order = sorted(self.policies, key=lambda p: (round(times[p][0], 9), p != neighbour, self.policies.index(p)))
+        for p in order:
+            scores[p] = (self._device_bytes(p, batch, seq, drop_layers), *times[p])
+            if scores[p][0] * self.margin <= self.budget:
+                return scores, p
+        return scores, None
+
+    def _priced(self, scores: dict, batch: int, seq: int, drop_layers) -> dict:
+        """``scores`` with every policy's bytes priced."""
+        return {
+            p: s if s[0] is not None else (self._device_bytes(p, batch, seq, drop_layers), *s[1:])
+            for p, s in scores.items()
+        }
 
     def _factor(self, policy: str) -> float:
         known = list(self.correction.values())
@@ -331,10 +377,10 @@ class AdaptiveProfiler:
     def _adapt(self, sig: tuple, batch, drop_layers, state) -> _Program:
         start = time.perf_counter()
         size, seq = batch["tokens"].shape
-        predictions = {p: self.predict(p, size, seq, drop_layers) for p in self.policies}
-        choice = choose_policy(
-            predictions, self.budget, margin=self.margin, neighbour=self._neighbour_policy(sig), what=self.label(sig)
-        )
+        neighbour = self._neighbour_policy(sig)
+        predictions, choice = self._scores(size, seq, drop_layers, neighbour)
+        if choice is None:  # raises BudgetError, naming the smallest prediction
+            choose_policy(predictions, self.budget, margin=self.margin, what=self.label(sig))
         abstract_state = self._abstract(state)
         pipeline = self._pipeline(choice, drop_layers)
         compiled = self._compile(pipeline, batch, abstract_state)
@@ -342,6 +388,7 @@ class AdaptiveProfiler:
         compiles, escalated = 1, False
         self.margin = max(1.0, self.margin * 0.5 + 0.5 * measured / predictions[choice][0])
         if measured > self.budget:
+            predictions = self._priced(predictions, size, seq, drop_layers)
             choice = escalate_policy(predictions, self.budget, choice, measured, what=self.label(sig))
             pipeline = self._pipeline(choice, drop_layers)
             compiled = self._compile(pipeline, batch, abstract_state)
@@ -449,7 +496,8 @@ class AdaptiveProfiler:
             for p in self.policies
             if p != program.policy
             and p not in waiting  # compiled for another signature, to run when it recurs
-            and program.predictions[p][0] * self.margin <= self.budget
+            # Not priced yet (slower than the pick): priced beside the probe's compile, off the step's path.
+            and (program.predictions[p][0] is None or program.predictions[p][0] * self.margin <= self.budget)
         ]
         current = statistics.median(record.step_seconds[1:][-2 * PROBE_STEPS :])
         compile_seconds = statistics.mean(self.compile_seconds)
@@ -478,24 +526,38 @@ class AdaptiveProfiler:
         abstract_state = self._abstract(state)
         spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
+        predicted_bytes, _, simulated = program.predictions[policy]
+        size, seq = batch["tokens"].shape
+
         def build():
+            predicted = predicted_bytes
+            if predicted is None:
+                predicted = self._device_bytes(policy, size, seq, frozenset(drop_layers))
+                program.predictions[policy] = (predicted, *program.predictions[policy][1:])
+                if predicted * self.margin > self.budget:
+                    return None, None, predicted  # predicted over the budget: not compiled
             compiled = self._compile(pipeline, spec, abstract_state, background=True)
-            return compiled, self._compiled_bytes(compiled, pipeline, spec)
+            return compiled, self._compiled_bytes(compiled, pipeline, spec), predicted
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxmem-profiler")
         record.compiles += 1  # the one profiling compile beyond the needed one
         self._inflight = self._pool.submit(build)
-        predicted_bytes, _, simulated = program.predictions[policy]
-        program.probe = _Probe(policy, self._inflight, simulated, int(predicted_bytes), reason)
+        program.probe = _Probe(policy, self._inflight, simulated, reason)
 
     def _probe_runnable(self, program: _Program) -> bool:
         """A compiled probe runs only if it fits the budget; one that failed or does not fit is dropped."""
         probe = program.probe
         error = probe.future.exception()
-        if error is None and probe.future.result()[1] <= self.budget:
+        compiled = None if error is not None else probe.future.result()
+        if compiled is not None and compiled[0] is not None and compiled[1] <= self.budget:
             return True
-        why = f"compile failed: {error}" if error is not None else "compiled over the budget; never run"
+        if error is not None:
+            why = f"compile failed: {error}"
+        elif compiled[0] is None:
+            why = "predicted over the budget; not compiled"
+        else:
+            why = "compiled over the budget; never run"
         program.record.explored = {"policy": probe.policy, "reason": probe.reason, "kept": False, "why": why}
         program.probe = None
         return False
@@ -519,10 +581,10 @@ class AdaptiveProfiler:
             "kept": keep,
         }
         if keep:
-            compiled, compiled_bytes = probe.future.result()
+            compiled, compiled_bytes, predicted_bytes = probe.future.result()
             program.policy, program.step = probe.policy, compiled
             record.policy, record.compiled_bytes = probe.policy, compiled_bytes
-            record.predicted_bytes = probe.predicted_bytes
+            record.predicted_bytes = int(predicted_bytes)
             record.simulated_step_seconds = probe.simulated_step_seconds
             record.predicted_step_seconds = program.predictions[probe.policy][1]
             record.step_seconds = list(probe.times)
