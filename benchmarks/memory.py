@@ -18,6 +18,7 @@ import os
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # its 8 virtual devices; no accelerator plugin tried
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxmem.config import TrainConfig  # noqa: E402

@@ -46,6 +46,7 @@ from jaxmem._util import cpu_cores, with_host_devices  # noqa: E402  (imports no
 
 # 8 virtual devices, as the CLI asks for them: on fewer cores, each runs its kernels on one thread.
 os.environ.setdefault("XLA_FLAGS", with_host_devices("", 8))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # its 8 virtual devices; no accelerator plugin tried
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
