@@ -146,7 +146,7 @@ CASES = [
     ("train --init-from {tmp}/wrongkind --model llama-tiny", "drop --model"),
     ("train --data {tmp}/nosuch.txt", "no such file"),
     ("train --data {tmp}/empty_dir", "no .txt"),
-    ("train --data {tmp}/garbage.jsonl", "not UTF-8"),
+    ("train --data {tmp}/garbage.jsonl", "garbage.jsonl:1:"),
     ("train --data {tmp}/garbage.txt", "not UTF-8"),
     ("train --data {tmp}/bad.jsonl", "not a JSON line"),
     ("train --data {tmp}/nofield.jsonl", "no field"),
@@ -236,7 +236,7 @@ CASES = [
     ("plan --devices 2 --budget 1GiB --margin 1.5", "--margin"),
     ("plan --devices 2 --budget 1GiB --host-bandwidth 0", "--host-bandwidth"),
     ("plan --devices 2 --budget 1GiB --dtype nosuch", "dtype"),
-    ("plan --devices 4 --budget 1KiB --hardware h100", "nothing fits"),
+    ("plan --devices 4 --budget 1KiB --hardware h100", "nothing fits 1.00 KiB per device", 1),  # its report
     # ------------------------------------------------------------ schedule
     ("schedule show nosuch", "nosuch"),
     ("schedule show 1f1b --pipe 0", "--pipe"),
@@ -371,7 +371,8 @@ def _env() -> dict:
 
 def judge(words: str, expect: str, tmp: str, timeout: float, code: int = 2) -> dict:
     """Run one case and say whether it was refused in one clear line (``code`` 0: a case that has
-    nothing to do, which must say so in one line and exit 0)."""
+    nothing to do, which must say so and exit 0; 1: jaxmem plan's report of a plan nothing fits, on
+    stdout after its progress lines, which must say so and exit 1)."""
     argv = [w.replace("{tmp}", tmp) for w in words.split()]
     start = time.perf_counter()
     try:
@@ -385,7 +386,8 @@ def judge(words: str, expect: str, tmp: str, timeout: float, code: int = 2) -> d
     err = done.stderr
     lines = [line for line in err.splitlines() if line.strip()]
     # argparse's usage errors are two lines: "prog: error: ..." and the pointer to --help.
-    meaningful = [line for line in lines if not line.startswith("(see `jaxmem")]
+    # jaxmem plan's progress lines ("planning: 10/102 schedules ...") are progress, not the error.
+    meaningful = [line for line in lines if not line.startswith(("(see `jaxmem", "planning: "))]
     if done.returncode < 0:
         verdict = "crash"
     elif done.returncode == 0 and code != 0:
@@ -394,9 +396,11 @@ def judge(words: str, expect: str, tmp: str, timeout: float, code: int = 2) -> d
         verdict = "refused"
     elif "Traceback" in err:
         verdict = "traceback"
-    elif len(meaningful) != 1 and code != 0:
+    elif done.returncode != code:
+        verdict = f"exit {done.returncode}"
+    elif len(meaningful) != 1 and code == 2:
         verdict = "several lines"
-    elif expect.lower() not in err.lower():
+    elif expect.lower() not in (err + (done.stdout if code == 1 else "")).lower():
         verdict = "unclear"
     else:
         verdict = "ok"
@@ -415,10 +419,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=180)
     parser.add_argument("--only", help="only the cases of this subcommand")
+    parser.add_argument(
+        "--case", action="append", help="only this case (its words as listed, {tmp} and all); repeatable"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
     cases = [c for c in CASES if args.only is None or c[0].split()[0] == args.only]
+    cases = [c for c in cases if not args.case or c[0] in args.case]
     with tempfile.TemporaryDirectory(prefix="jaxmem-sweep-") as tmp:
         print(f"preparing fixtures in {tmp} ...", file=sys.stderr, flush=True)
         _fixtures(tmp)

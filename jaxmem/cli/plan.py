@@ -121,7 +121,7 @@ def make_plan(
     from jaxmem._errors import JaxmemError
     from jaxmem.memory import get_hardware
     from jaxmem.models import get_model
-    from jaxmem.search import LEDGER_MARGIN, check_budget_floor, confirm, progress_lines, search
+    from jaxmem.search import LEDGER_MARGIN, confirm, progress_lines, search
     from jaxmem.targets import parse_target
 
     if mesh is not None:
@@ -162,7 +162,6 @@ def make_plan(
     if batch < 1 or seq < 1:
         raise JaxmemError(f"--batch-size and --seq-len must be >= 1, got {batch} and {seq}")
     model.check_batch(seq, "--seq-len")
-    check_budget_floor(model, devices, budget)
     # On a terminal one line rewritten in place; elsewhere (a log file, a pipe) a plain line a tenth.
     terminal = progress and sys.stderr.isatty()
     report = None

@@ -44,7 +44,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +62,16 @@ LADDER = ("save-all", "selective", "recompute-all", "offload-stash")
 # XLA:CPU does not lower host offload, so on CPU only recompute really lowers device memory.
 CPU_LADDER = ("save-all", "selective", "recompute-all")
 PROBE_STEPS = 3  # a warm-up step, then timed steps: of a new program, and of an explored policy
+
+
+def _yield_to_steps() -> None:
+    """Give the calling (background) thread the lowest scheduling priority: on Linux a thread is a
+    task with its own nice value (threads it starts inherit it), so a probe's compile takes the cores
+    when the training steps leave them idle instead of slowing the steps down. Elsewhere, nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the compile shares the cores
+        pass
 
 
 class BudgetError(JaxmemError):
@@ -530,6 +542,7 @@ class AdaptiveProfiler:
         size, seq = batch["tokens"].shape
 
         def build():
+            _yield_to_steps()
             predicted = predicted_bytes
             if predicted is None:
                 predicted = self._device_bytes(policy, size, seq, frozenset(drop_layers))

@@ -246,6 +246,7 @@ def evaluate(
     split_backward: bool = False,
     hand_recomputed: bool = False,
     target=None,
+    runnable: bool = False,
 ) -> Candidate:
     """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``policy_name``: a
     ``chronos-*`` name, generated for the budget first (Chronos-Recomp/Offload), or any spec
@@ -254,7 +255,10 @@ def evaluate(
     split (:class:`~jaxmem.pipeline.Pipeline`; the candidate's ``split_backward`` says whether the
     split takes effect, :func:`~jaxmem.pipeline.splits_backward`); ``hand_recomputed``: with the
     split, I hands W what it recomputed too (:class:`~jaxmem.pipeline.Pipeline`); ``target``: the
-    :class:`~jaxmem.targets.Target` whose compiler the ledger reads (None: the devices at hand)."""
+    :class:`~jaxmem.targets.Target` whose compiler the ledger reads (None: the devices at hand);
+    ``runnable``: a candidate that fits only if jaxmem's executor can also run it today (a stash
+    arena within its int32 indexing, ``MAX_ARENA_ELEMS``) -- what :func:`search` asks; otherwise
+    such a candidate fits on its bytes and its note says what the executor lacks."""
     from jaxmem.memory import estimate, get_hardware, model_facts, predict
     from jaxmem.models import get_model
     from jaxmem.pipeline import model_layer_counts, splits_backward
@@ -382,9 +386,9 @@ def evaluate(
         result = run(policy)
     fits = result.device_bytes <= budget
     arena = result.ledger.meta.get("largest_arena_elems", 0) if result.ledger is not None else 0
-    if fits and arena >= MAX_ARENA_ELEMS:
+    if arena >= MAX_ARENA_ELEMS:
         # The executor indexes a stash arena with int32: a larger one does not run, whatever it fits.
-        fits = False
+        fits = fits and not runnable
         note = (
             f"{note + '; ' if note else ''}its stash arena of {arena:,} elements is beyond the executor's int32 "
             f"indexing ({MAX_ARENA_ELEMS:,})"
@@ -618,6 +622,7 @@ def search(
                 split_backward=split,
                 hand_recomputed=hand,
                 target=target,
+                runnable=True,
             )
             if hw.cores and cand.host_bytes:  # on a CPU the host memory is the device's: offloads save none of it
                 continue
