@@ -156,7 +156,7 @@ def test_data_that_cannot_be_read_as_asked_is_refused(tmp_path, capsys):
 
 
 def test_files_that_are_not_what_they_claim_are_refused_in_one_line(tmp_path, capsys):
-    garbage = bytes(range(256)) * 4
+    garbage = b"\xff\xfe" + bytes(range(256)) * 4  # not UTF-8 from its first line
     (tmp_path / "garbage.jsonl").write_bytes(garbage)
     (tmp_path / "garbage.bin").write_bytes(garbage)
     for argv, message in (
