@@ -427,12 +427,7 @@ class TrainConfig:
                     f"schedule {schedule.name!r} runs forwards only (no B, nor I and W): a training step needs a "
                     "backward for every forward. Add them, e.g. after each NFm the same stage's NBm"
                 )
-            if self.split_backward and not _splits(schedule):
-                raise JaxmemError(
-                    f"{_s('split_backward')} hands what a backward's I computes to its W, and {schedule.name} has no "
-                    f"I or W actions (whole backwards only): it would change nothing. Drop {_s('split_backward')}, "
-                    "or use a schedule that splits its backwards (zb-h1, zbv, chronos)"
-                )
+            check_split_backward(schedule, self.split_backward)
 
     def _check_init_from(self) -> None:
         import os
@@ -685,11 +680,15 @@ def with_overrides(config: TrainConfig, overrides) -> TrainConfig:
     return TrainConfig(**_overridden(values, overrides, "override"))
 
 
-def _splits(schedule: Schedule) -> bool:
-    """The schedule splits some backward into I and W."""
-    from jaxmem.schedule import Kind
-
-    return any(action.kind is Kind.I for action in schedule.actions())
+def check_split_backward(schedule: Schedule, split_backward: bool) -> None:
+    """Refuse ``split_backward`` on a schedule without I and W actions, where it would change nothing
+    (``jaxmem train`` and ``jaxmem verify`` alike)."""
+    if split_backward and not schedule.split_backward:
+        raise JaxmemError(
+            f"{_s('split_backward')} hands what a backward's I computes to its W, and {schedule.name} has no "
+            f"I or W actions (whole backwards only): it would change nothing. Drop {_s('split_backward')}, "
+            "or use a schedule that splits its backwards (zb-h1, zbv, chronos)"
+        )
 
 
 def _overridden(values: dict, overrides, what: str) -> dict:

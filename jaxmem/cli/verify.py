@@ -88,7 +88,7 @@ def run(args) -> int:
     from jaxmem import schedule as sch
     from jaxmem._errors import JaxmemError
     from jaxmem._util import parse_int_list
-    from jaxmem.config import GENERATED_POLICIES
+    from jaxmem.config import GENERATED_POLICIES, check_split_backward
 
     resolve_mesh(args)
     generated = args.policy in GENERATED_POLICIES
@@ -108,17 +108,11 @@ def run(args) -> int:
         schedule = sch.validate(sch.load_csv(args.csv))
     else:
         schedule = sch.generate(args.schedule or "1f1b", args.pipe, args.microbatches, args.virtual)
+    check_split_backward(schedule, args.split_backward)
     drop = frozenset(parse_int_list(args.drop_layers, "drop_layers")) if args.drop_layers else frozenset()
     setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks * args.tensor)
-    from jaxmem.pipeline import uses_split_backward
     from jaxmem.verify import verification_model, verify
 
-    if args.split_backward and not uses_split_backward(schedule):
-        raise JaxmemError(
-            f"--split-backward hands what a backward's I computes to its W, and {schedule.name} has no I or W actions "
-            "(whole backwards only): it would check nothing more. Drop --split-backward, or verify a schedule that "
-            "splits its backwards (zb-h1, zbv, chronos)"
-        )
     model = verification_model(schedule.num_stages, args.model, **model_overrides(args))
     policy = _policy(args, schedule)
     result = verify(
