@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.models import StagedModel, get_model, make_batch, microbatch_key
+from jaxmem._errors import JaxmemError
+from jaxmem.models import StagedModel, get_model, microbatch_key, synthetic_batch
 from jaxmem.pipeline import Pipeline, make_mesh
 from jaxmem.schedule import Schedule, validate
 
@@ -109,7 +110,7 @@ def reference_loss(
         return loss
 
     def loss(params, batch):
-        size = batch["tokens"].shape[0]
+        size = jax.tree.leaves(batch)[0].shape[0]
         mb = size // (data_parallel * microbatches)
         total = weight = 0.0
         for d in range(data_parallel):
@@ -199,9 +200,11 @@ def verify(
     size = replicas * schedule.num_microbatches * microbatch_size
     params = model.init(seed)
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), 2)
-    tokens = jax.random.randint(keys[0], (size, seq_len), 0, model.vocab_size or 256, dtype=jnp.int32)
-    mask = (jax.random.uniform(keys[1], (size, seq_len)) < 0.7).astype(jnp.float32) if loss_mask else None
-    batch = make_batch(tokens, jnp.roll(tokens, -1, axis=1), loss_mask=mask)
+    if loss_mask and model.batch_spec is not None:
+        raise JaxmemError(f"verify: loss_mask masks tokens; model {model.name} takes a batch of its own")
+    batch = synthetic_batch(model, size, seq_len, keys[0])  # tokens, or the model's own batch
+    if loss_mask:
+        batch["loss_mask"] = (jax.random.uniform(keys[1], (size, seq_len)) < 0.7).astype(jnp.float32)
     tol = tolerance_for(pipe.compute_dtype(batch))
 
     rng = jax.random.PRNGKey(seed + 2) if model.rng else None

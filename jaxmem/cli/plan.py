@@ -293,7 +293,14 @@ def train_command(
             words += ["--hardware", hardware or args.hardware]
     if getattr(args, "target", None) is not None:
         words += ["--target", args.target]
-    return shlex.join(words)
+    command = shlex.join(words)
+    from jaxmem.models import get_model
+
+    own = get_model(args.model, **model_overrides(args)).batch_spec
+    if own is not None and set(own(batch, seq)) != {"tokens", "targets"}:
+        # A batch of its own: token data cannot feed it; the user names the function giving its samples.
+        command += " --samples package.module:attr  # your function returning jaxmem.data.Samples"
+    return command
 
 
 def _mfu(result, batch: int, seq: int, args, devices: int) -> float | None:

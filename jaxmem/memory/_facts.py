@@ -472,30 +472,68 @@ class ModelFacts:
         rest, *ones = [self._per_sequence(f, la, fams, p, seq, v) for f, la, fams, p, v in parts]
         if not ones:
             return rest.scaled(microbatch)
-        # Their stashes and FLOPs add up. The working set: the larger part's, and one recomputed
-        # layer's more for each further layer recomputed -- XLA:CPU runs the repeats ahead of the
-        # backward and holds their values (the compiled tiny GPT step, 4 layers a stage, k = 1..4,
-        # selective and save-all: within 4.5%).
+        # Their stashes and FLOPs add up. The working set is the composed stage's own, compiled: how
+        # XLA schedules the repeats beside the rest's backward is not a sum of the parts (taking the
+        # larger part's was 6-24% under the compiled step on users' models, k = 1).
         facts = rest
         for one in ones:
             facts = facts.combine(one, 1, 1)
-        largest = max(one.working_bytes for one in ones)
-        working = max(rest.working_bytes, largest) + sum(one.working_bytes for one in ones) - largest
+        policy = _stage_only(policy)
+        working = self._mixed_working(
+            first, last, self._fams(layers, families), policy, seq, bool(vocab) and (first or last)
+        )
+        if working is None:
+            largest = max(one.working_bytes for one in ones)
+            working = max(rest.working_bytes, largest) + sum(one.working_bytes for one in ones) - largest
         return dataclasses.replace(facts, working_bytes=working).scaled(microbatch)
+
+    def _mixed_working(self, first, last, fams, policy, seq, vocab) -> float | None:
+        """Per sequence, the working set of a stage whose first ``k = recompute_layers`` layers are
+        recomputed whole and the other ``r`` run under the policy, from the composed stage compiled
+        small: at ``(1, min(r, 1))`` layers, and ``(2, .)`` / ``(., 2)`` for what a further recomputed
+        or further other layer adds (each counted as many times as there are such layers). None
+        where a compile cannot be had (a tensor axis without its devices)."""
+        k = min(policy.recompute_layers, len(fams))
+        r = len(fams) - k
+        one_rest = min(r, 1)
+
+        def at(recomputed: int, others: int):
+            sub = fams[:recomputed] + fams[k : k + others]
+            bound = dataclasses.replace(policy, recompute_layers=recomputed)
+            return self._working(first, last, sub, bound, seq, vocab)
+
+        base = at(1, one_rest)
+        if base is None:
+            return None
+        working = base
+        if k > 1:
+            more = at(2, one_rest)
+            working += (k - 1) * max(more - base, 0.0) if more is not None else 0.0
+        if r > 1:
+            more = at(1, 2)
+            working += (r - 1) * max(more - base, 0.0) if more is not None else 0.0
+        return working
 
     def _parts(self, first, last, layers, policy, vocab, families) -> list[tuple]:
         """A stage as the parts it is composed of, ``(first, last, families, policy, vocab)`` each:
         the stage under its policy and, with ``recompute_layers = k``, its first k layers recomputed
         whole (jaxmem.pipeline.stage_forward) -- each a one-layer middle stage under recompute-all (it
-        keeps its input, repeats its forward) -- and the rest a stage of its own under the policy."""
+        keeps its input, repeats its forward) -- and the rest a stage of its own under the policy
+        (the first stage's embedding a layerless first stage of its own, as the executor runs it)."""
         policy = _stage_only(policy)
         vocab = bool(vocab) and (first or last)
         fams = self._fams(layers, families)
         k = min(policy.recompute_layers, layers)
         if not k:
             return [(first, last, fams, policy, vocab)]
-        rest = (first, last, fams[k:], dataclasses.replace(policy, recompute_layers=0), vocab)
-        return [rest] + [(False, False, (f,), policy.whole_layer(), False) for f in fams[:k]]
+        own = dataclasses.replace(policy, recompute_layers=0)
+        ones = [(False, False, (f,), policy.whole_layer(), False) for f in fams[:k]]
+        if not first:
+            return [(first, last, fams[k:], own, vocab)] + ones
+        # The first stage's embedding runs under the policy apart, before the recomputed layers: the
+        # rest then starts from a message it keeps, as a middle (or the last) stage does.
+        rest = (False, last, fams[k:], own, vocab and last)
+        return [rest, (True, False, (), own, vocab)] + ones
 
     def transfer_elems(
         self,
@@ -798,7 +836,7 @@ class ModelFacts:
         # where the stash lives does not change its temporaries (equal on every preset, tiny GPT and
         # Llama), so the offloaded variants share the compile.
         policy = dataclasses.replace(_stage_only(policy), offload_stash=False)
-        if len(fams) > 2:
+        if len(fams) > 2 and not policy.recompute_layers:  # (a composed stage, _mixed_working: as it is)
             # Per family, a layer adds what a second adds to a first (inc), on a base (2 one - two):
             # identical layers give two + (n - 2) (two - one).
             one = {f: self._working(first, last, (f,), policy, seq, vocab, tensor, split) for f in set(fams)}

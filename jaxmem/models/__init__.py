@@ -11,6 +11,7 @@ from jaxmem.models._interface import StagedModel as StagedModel
 from jaxmem.models._interface import VocabParallel as VocabParallel
 from jaxmem.models._interface import attention_platform as attention_platform
 from jaxmem.models._interface import batch_positions as batch_positions
+from jaxmem.models._interface import evaluating as evaluating
 from jaxmem.models._interface import from_nnx as from_nnx
 from jaxmem.models._interface import fused_attention as fused_attention
 from jaxmem.models._interface import layer_batch as layer_batch
@@ -18,6 +19,7 @@ from jaxmem.models._interface import make_batch as make_batch
 from jaxmem.models._interface import microbatch_key as microbatch_key
 from jaxmem.models._interface import named_softmax as named_softmax
 from jaxmem.models._interface import stage_key as stage_key
+from jaxmem.models._interface import synthetic_batch as synthetic_batch
 from jaxmem.models._interface import token_loss as token_loss
 from jaxmem.models._interface import traced_for as traced_for
 from jaxmem.models._registry import PRESETS as PRESETS

@@ -42,6 +42,7 @@ __all__ = [
     "StagedModel",
     "VocabParallel",
     "attention_platform",
+    "evaluating",
     "batch_positions",
     "check_config",
     "dtype_name",
@@ -110,6 +111,31 @@ def attention_platform(platform: str | None):
         yield
     finally:
         _ATTENTION_PLATFORM.reset(token)
+
+
+_EVALUATING: contextvars.ContextVar = contextvars.ContextVar("jaxmem_evaluating", default=False)
+
+
+@contextlib.contextmanager
+def evaluating():
+    """Within the block, the functions of a :func:`from_nnx` model are traced in evaluation mode
+    (the module's ``eval()``: ``nnx.Dropout`` drops nothing, ``nnx.BatchNorm`` reads its running
+    averages). jaxmem traces a held-out loss inside it; the train step outside it. A model that draws
+    its random numbers its own way (not through modules with a ``deterministic`` switch) is
+    unchanged: it gets a key as in training."""
+    token = _EVALUATING.set(True)
+    try:
+        yield
+    finally:
+        _EVALUATING.reset(token)
+
+
+def _in_mode(module):
+    """``module`` switched to evaluation mode inside :func:`evaluating` (it is a fresh merge: the
+    switch is not kept)."""
+    if _EVALUATING.get():
+        module.eval()
+    return module
 
 
 def traced_for(fn: Callable, platform: str | None) -> Callable:
@@ -205,6 +231,28 @@ def make_batch(tokens, targets, *, loss_mask=None, positions=None) -> dict:
     if positions is not None:
         batch["positions"] = positions
     return batch
+
+
+def synthetic_batch(model, size: int, seq: int, key: jax.Array) -> dict:
+    """A batch of ``size`` random samples of what ``model`` takes, where no data is needed (checking
+    gradients, compiling a step): tokens and next-token targets for a language model; for a model
+    with a batch of its own (:attr:`StagedModel.batch_spec`), each leaf of its spec filled at random --
+    floating leaves standard normal, integer leaves uniform in ``[0, vocab_size)`` (``[0, 2)`` when
+    the model names no vocabulary, so a class label is valid for any classifier), booleans true."""
+    if model.batch_spec is None:
+        tokens = jax.random.randint(key, (size, seq), 0, model.vocab_size or 256, dtype=jnp.int32)
+        return make_batch(tokens, jnp.roll(tokens, -1, axis=1))
+    spec = dict(model.batch_spec(size, seq))
+    out = {}
+    for name, k in zip(sorted(spec), jax.random.split(key, len(spec))):
+        leaf = spec[name]
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            out[name] = jax.random.normal(k, leaf.shape, leaf.dtype)
+        elif jnp.issubdtype(leaf.dtype, jnp.integer):
+            out[name] = jax.random.randint(k, leaf.shape, 0, model.vocab_size or 2).astype(leaf.dtype)
+        else:
+            out[name] = jnp.ones(leaf.shape, leaf.dtype)
+    return out
 
 
 # Keys of a model that draws random numbers (``StagedModel.rng``): the step's key is folded with the
@@ -577,6 +625,79 @@ def _state_paths(state) -> list[str]:
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state)]
 
 
+def _held_arrays(module) -> list[str]:
+    """Paths of plain array attributes of ``module`` and its submodules that ``nnx.eval_shape`` left
+    as tracers (they are not state there): the module must be built for real to read them."""
+    from flax import nnx
+
+    found = []
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module):
+            for name, value in vars(node).items():
+                if isinstance(value, jax.core.Tracer):
+                    found.append(".".join(map(str, (*path, name))))
+    return found
+
+
+def _check_same_constants(layers: str, first, other) -> None:
+    """Layers of one kind share one function, so one set of constants: refuse layers whose differ."""
+    import numpy as np
+
+    (i, a), (j, b) = first, other
+    if i == j:
+        return
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+        if np.shape(x) != np.shape(y) or not np.array_equal(np.asarray(x), np.asarray(y)):
+            raise JaxmemError(
+                f"from_nnx: layers {layers}[{i}] and {layers}[{j}] hold different values in "
+                f"{jax.tree_util.keystr(path)}, which is not an nnx.Param: jaxmem holds such state as a constant "
+                "of the layer's code, one per kind of layer. Make it an nnx.Param (trained), or compute it in "
+                "__call__ from a static setting of the layer"
+            )
+
+
+class _Constants:
+    """Around a call of a :func:`from_nnx` module: refuse the call if it wrote state jaxmem holds as a
+    constant (anything but ``nnx.Param``): its writes would be lost, not carried to the next step."""
+
+    def __init__(self, module, what: str):
+        from flax import nnx
+
+        self.module, self.what = module, what
+        self.before = jax.tree_util.tree_leaves_with_path(nnx.state(module, nnx.Not(nnx.Param)))
+
+    def __enter__(self):
+        return self.module
+
+    def __exit__(self, kind, *_):
+        from flax import errors as flax_errors
+        from flax import nnx
+
+        if not self.before or kind is not None and not issubclass(kind, flax_errors.TraceContextError):
+            return False
+        if kind is not None:  # flax refuses the write itself: a constant lives outside this trace
+            stats = jax.tree_util.tree_leaves_with_path(nnx.state(self.module, nnx.BatchStat))
+            written = [jax.tree_util.keystr(p) for p, _ in stats or self.before]
+        else:
+            after = jax.tree.leaves(nnx.state(self.module, nnx.Not(nnx.Param)))
+            written = [jax.tree_util.keystr(p) for (p, a), b in zip(self.before, after) if a is not b]
+        if written:
+            stats = nnx.state(self.module, nnx.BatchStat)
+            hint = (
+                " BatchNorm in training mode updates its running statistics on every forward: use a norm "
+                "without them (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm), or BatchNorm(use_running_average=True) "
+                "to keep them fixed."
+                if jax.tree.leaves(stats)
+                else ""
+            )
+            raise JaxmemError(
+                f"model state ({', '.join(written[:4])}) is written by {self.what}: jaxmem holds state other than "
+                "nnx.Param as constants and does not carry updates from one step to the next, so the write "
+                f"would be lost.{hint} Or make it an nnx.Param if it is to be trained"
+            )
+        return False
+
+
 def from_nnx(
     model,
     *,
@@ -617,7 +738,12 @@ def from_nnx(
         rng: the model uses dropout (or other randomness). Build its ``nnx.Dropout`` modules without
             ``rngs`` and pass the key jaxmem provides, e.g. ``block(x, rngs=batch["rng"])`` in
             ``call_layer``: every layer, microbatch and step gets its own key (:func:`layer_batch`),
-            and the pipelined step must be given one per step (``value_and_grad(params, batch, rng)``).
+            and the pipelined step must be given one per step (``value_and_grad(params, batch, rng)``;
+            the trainer and ``jaxmem train`` pass :func:`~jaxmem.train.step_key` of the seed and step,
+            so a resumed run draws the masks the uninterrupted one would have). A held-out loss is
+            traced in the module's evaluation mode (:func:`evaluating`: ``nnx.Dropout`` drops
+            nothing). The masks depend on the step, replica, microbatch, stage and layer: the same
+            key on another stage split or microbatch count draws other masks.
         logits: ``(module, batch) -> logits`` of the whole model, to sample from it
             (``jaxmem sample``, :func:`~jaxmem.models.generate`); optional.
         vocab: where the vocabulary tables are, for a pipeline to split them over its ranks
@@ -659,6 +785,13 @@ def from_nnx(
     if factory is not None:
         with _cheap_tracer_attribute_errors(), nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+        if isinstance(abstract, nnx.Module) and (
+            _held_arrays(abstract) or _state_paths(nnx.state(abstract, nnx.Not(nnx.Param)))
+        ):
+            # State other than parameters is held as constants, which need their values: the module
+            # is built once for real (seed 0) -- only for a model that has such state.
+            with nnx.use_eager_sharding(False):
+                abstract = factory(nnx.Rngs(0))
     else:
         abstract = model
     if not isinstance(abstract, nnx.Module):
@@ -675,32 +808,37 @@ def from_nnx(
         raise JaxmemError(f"from_nnx: {layers!r} holds no layer modules")
 
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    others = _state_paths(rest)
-    if others:
+    streams = _state_paths(nnx.state(abstract, nnx.RngState))
+    if streams:
         raise JaxmemError(
-            f"from_nnx: the model has state other than nnx.Param ({', '.join(others[:4])}"
-            f"{', ...' if len(others) > 4 else ''}); jaxmem trains parameters only and does not carry "
-            "stored state (RNG streams, batch statistics) through the pipeline. For dropout, build nnx.Dropout "
+            f"from_nnx: the model keeps RNG streams ({', '.join(streams[:4])}{', ...' if len(streams) > 4 else ''}); "
+            "jaxmem draws a key per layer, microbatch and step itself. For dropout, build nnx.Dropout "
             "without rngs, pass the key jaxmem provides (e.g. call_layer=lambda block, x, batch: block(x, "
             'rngs=batch["rng"])) and say from_nnx(..., rng=True)'
         )
+    # Any other state (buffers, plain arrays, frozen batch statistics) is held as a constant: read by
+    # the functions, never trained, and refused where the model writes it (see _Constants).
     # Layers may differ in their static configuration (a window, a RoPE base, a flag set in
     # __init__) and in their parameters (dense and mixture-of-experts layers): each distinct graphdef
     # is a kind, run by its own layer function (layers of other parameters are also other families,
     # StagedModel.layer_families, which a pipeline stacks apart).
     layer_graphdefs: list = []
+    layer_consts: list = []  # per kind, its layers' constants (the same in every layer of the kind)
     layer_kinds = []
-    for module in layer_modules:
-        graphdef_i = nnx.graphdef(module)
+    for i, module in enumerate(layer_modules):
+        graphdef_i, _, consts_i = nnx.split(module, nnx.Param, ...)
         if graphdef_i not in layer_graphdefs:
             layer_graphdefs.append(graphdef_i)
-        layer_kinds.append(layer_graphdefs.index(graphdef_i))
+            layer_consts.append((i, consts_i))
+        kind = layer_graphdefs.index(graphdef_i)
+        _check_same_constants(layers, layer_consts[kind], (i, consts_i))
+        layer_kinds.append(kind)
 
     # The model without its layers: embed and head_loss run on it (the arrays are shared, not copied).
     shell = nnx.merge(graphdef, params, rest)
     parent = _get_path(shell, path[:-1], "the layers' parent") if len(path) > 1 else shell
     setattr(parent, path[-1], nnx.List([]))
-    shell_graphdef, shell_params, _ = nnx.split(shell, nnx.Param, ...)
+    shell_graphdef, shell_params, shell_consts = nnx.split(shell, nnx.Param, ...)
     shared_structure = jax.tree_util.tree_structure(nnx.to_pure_dict(shell_params))
 
     def split(params):
@@ -721,22 +859,25 @@ def from_nnx(
         return _with(shared, path, dict(enumerate(layer_list)))
 
     def shell_module(shared):
-        return nnx.merge(shell_graphdef, shared)
+        return _in_mode(nnx.merge(shell_graphdef, shared, shell_consts))
 
     def embed_fn(shared, batch):
-        return embed(shell_module(shared), batch)
+        with _Constants(shell := shell_module(shared), "the embedding"):
+            return embed(shell, batch)
 
-    def kind_layer(layer_graphdef):
+    def kind_layer(layer_graphdef, consts):
         def layer_fn(layer_params, x, batch):
-            module = nnx.merge(layer_graphdef, layer_params)
-            return call_layer(module, x, batch) if call_layer is not None else module(x)
+            module = _in_mode(nnx.merge(layer_graphdef, layer_params, consts))
+            with _Constants(module, "a layer"):
+                return call_layer(module, x, batch) if call_layer is not None else module(x)
 
         return layer_fn
 
-    kind_fns = tuple(kind_layer(g) for g in layer_graphdefs)
+    kind_fns = tuple(kind_layer(g, c) for g, (_, c) in zip(layer_graphdefs, layer_consts))
 
     def head_fn(shared, x, batch):
-        return head_loss(shell_module(shared), x, batch)
+        with _Constants(shell := shell_module(shared), "the head"):
+            return head_loss(shell, x, batch)
 
     if factory is not None:
 
@@ -754,13 +895,15 @@ def from_nnx(
     if loss is not None:
 
         def loss_fn(params, batch):
-            return loss(nnx.merge(graphdef, params), batch)
+            return loss(_in_mode(nnx.merge(graphdef, params, rest)), batch)
 
     logits_fn = None
     if logits is not None:
 
-        def logits_fn(params, batch):
-            return logits(nnx.merge(graphdef, params), batch)
+        def logits_fn(params, batch):  # sampling: always in evaluation mode
+            module = nnx.merge(graphdef, params, rest)
+            module.eval()
+            return logits(module, batch)
 
     vocab_split = None
     if vocab is not None:

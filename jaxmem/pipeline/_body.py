@@ -15,6 +15,7 @@ Three parts, each built where its inputs are known:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -64,6 +65,42 @@ def vary_like(x: jax.Array, aval) -> jax.Array:
 
 def vary_tree(tree):
     return jax.tree.map(vary, tree)
+
+
+def _bare(x: jax.Array) -> jax.Array:
+    """``x`` typed as a value computed inside :func:`unchecked` is (varying over no axis), so every
+    value an action's stage math reads and makes is typed alike (JAX's own sums of cotangents
+    assert it). Two casts to its own dtype (weak, then as it was): no operation in the program."""
+    weak = jax.typeof(x).weak_type
+    from jax._src.lax import lax as lax_internal
+
+    x = lax_internal._convert_element_type(x, x.dtype, weak_type=not weak)
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
+
+
+def _bare_tree(tree):
+    return jax.tree.map(_bare, tree)
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Trace without JAX's check of the mesh axes each value varies over (``check_vma``), inside the
+    step's ``shard_map``. A stage's actions run in it: every input they read is marked varying over
+    every axis (:func:`vary`), so the types carry no information there, and a model's own code may
+    then start a ``lax.scan`` carry from a constant (``jnp.zeros``), as it may outside a
+    ``shard_map``, without the ``pcast`` to jaxmem's axes JAX would otherwise ask for. What an action
+    hands back is typed again as it came in (:func:`_Run.branch`); nothing is differentiated across
+    that edge (a stage's backward is its own traced pullback, run inside the action)."""
+    from jax._src import config as jax_config
+
+    switch = getattr(jax_config, "_check_vma", None)
+    with contextlib.ExitStack() as stack:
+        if switch is not None:
+            stack.enter_context(switch(False))
+            # ... and the pullback's check of each cotangent's type against its primal's: the types
+            # inside are not kept consistent, so neither is that check
+            stack.enter_context(jax_config.disable_bwd_checks(True))
+        yield
 
 
 def to_device(tree):
@@ -253,18 +290,8 @@ class _Run:
             self.whole_like(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t))
             for t in abstract.stages
         ]
-        self.plans = [
-            analyze_stage(
-                pipeline.stage_fn(c),
-                whole_stages[c.local],
-                self.whole_like(abstract.shared),
-                self.x_like,
-                first_mb,
-                stash_to_host=pipeline._stash_to_host(c),
-                host_tiles=body.host_tiles,
-            )
-            for c in body.tick.classes
-        ]
+        with unchecked():  # the stage's own math, as the actions run it (see unchecked)
+            self.plans = self._plans(whole_stages, first_mb)
         self.splits: dict[StageClass, tuple] = {}  # per class, its backward split into I and W, and its cut
         self._updated: dict[int, tuple] = {}  # per branch, which state leaves it updates (idle_for)
         self.branches = [self.branch(ci, kind) for ci, kind in body.tick.branches]  # branch 0 is idle
@@ -274,6 +301,22 @@ class _Run:
         self.forwards_first = sorted(range(1, len(self.branches) + 1), key=lambda b: rank.get(branches[b - 1][1], 2))
         self.pipe_index = jax.lax.axis_index("pipe")
         self.ends = None if body.vocab_split is None else _VocabEnds(self)
+
+    def _plans(self, whole_stages, first_mb) -> list[ResidualPlan]:
+        """Each stage class's residual plan, traced again with this program's types."""
+        body, pipeline = self.body, self.body.pipeline
+        return [
+            analyze_stage(
+                pipeline.stage_fn(c),
+                whole_stages[c.local],
+                self.whole_like(body.abstract.shared),
+                _bare_tree(self.x_like),
+                _bare_tree(first_mb),
+                stash_to_host=pipeline._stash_to_host(c),
+                host_tiles=body.host_tiles,
+            )
+            for c in body.tick.classes
+        ]
 
     # ------------------------------------------------------------------ what a stage reads
     def gathered_params(self, v, fetched=None):
@@ -402,9 +445,17 @@ class _Run:
         c, plan = self.body.tick.classes[class_index], self.plans[class_index]
         arena = self.body.cut_arena(c, plan)
         if kind is Kind.F:
-            return functools.partial(self._forward, c, plan, arena)
-        rows = stash_rows(plan.stash_elems, self.body.pipeline.tensor)
-        return functools.partial(self._backward, c, plan, arena, rows, kind)
+            action = functools.partial(self._forward, c, plan, arena)
+        else:
+            rows = stash_rows(plan.stash_elems, self.body.pipeline.tensor)
+            action = functools.partial(self._backward, c, plan, arena, rows, kind)
+
+        def run(state, *args):
+            with unchecked():
+                new = action(state, *args)
+            return jax.tree.map(vary_like, new, state)  # typed as the state came in
+
+        return run
 
     def _forward(self, c: StageClass, plan: ResidualPlan, arena, state, offs, x_in, g_in, micro):
         body = self.body
@@ -415,6 +466,7 @@ class _Run:
         pin = body.pin
         pack = (lambda key, parts: parts) if arena is None else functools.partial(arena.pack, pin=pin)
         host_put = self.host_put if body.host_slots_to_device else None
+        params, shared_in, x_in, micro = _bare_tree((params, shared_in, x_in, micro))  # see unchecked
         out, packed = plan.forward(params, shared_in, x_in, micro, pin=pin, pack=pack, host_put=host_put)
         arenas = tuple(self.stash(buf, packed.get(key), off) for key, buf, off in zip(body.keys, arenas, offs))
         if c.last and body.vocab_split is None:
@@ -439,7 +491,8 @@ class _Run:
             if (n := plan.stash_elems.get(key))
         }
         unpack = None if arena is None else arena.unpacker(pin)
-        pullback = plan.pullback(params, shared_in, self.x_like, micro, current, pin=pin, unpack=unpack)
+        params, shared_in, micro, current = _bare_tree((params, shared_in, micro, current))  # see unchecked
+        pullback = plan.pullback(params, shared_in, _bare_tree(self.x_like), micro, current, pin=pin, unpack=unpack)
         if c.last and body.vocab_split is None:
             # Typed like the outputs (a constant weight varies over no mesh axis).
             loss_aval, weight_aval = plan.out_avals
@@ -454,10 +507,11 @@ class _Run:
             leaves, treedef = jax.tree.flatten(g_in)
             ct = treedef.unflatten(
                 [
-                    g if set(AXES) <= set(varying_axes(a)) else vary_like(jnp.zeros(a.shape, a.dtype), a)
-                    for g, a in zip(leaves, plan.out_avals, strict=True)
+                    g if moved else vary_like(jnp.zeros(a.shape, a.dtype), a)
+                    for g, a, moved in zip(leaves, plan.out_avals, plan.out_inputs, strict=True)
                 ]
             )
+        ct = jax.tree.map(_bare, ct)  # typed as the pullback's own trace typed its output (see unchecked)
         # The first stage's input gradient goes to a split vocabulary's table (after the conds).
         no_input_grad = (c.first and body.vocab_split is None) or kind is Kind.W
         if kind is Kind.B or not body.split_backward:
@@ -493,7 +547,8 @@ class _Run:
             unpack = None if arena is None else arena.unpacker(body.pin)
 
             def backward(params, shared_in, micro, current, ct):
-                return plan.pullback(params, shared_in, self.x_like, micro, current, pin=body.pin, unpack=unpack)(ct)
+                x_like = _bare_tree(self.x_like)
+                return plan.pullback(params, shared_in, x_like, micro, current, pin=body.pin, unpack=unpack)(ct)
 
             input_grad = not (c.first and body.vocab_split is None)
             split = stage_split(backward, *args, input_grad=input_grad, hand_recomputed=body.pipeline.hand_recomputed)

@@ -83,6 +83,9 @@ class ResidualPlan:
         used_shared: per shared leaf, whether the stage reads it at all (the middle stages read none
             of the embedding and head: they neither gather them nor add to their gradients).
         host_tiles: host residuals start on a TPU tile and fill whole tiles (:func:`host_tile_elems`).
+        out_inputs: per output leaf, whether it depends on any input (parameters, shared, ``x`` or the
+            batch); one that does not (a constant the stage starts, say a counter) carries no
+            gradient back.
     """
 
     closed: ClosedJaxpr
@@ -95,6 +98,7 @@ class ResidualPlan:
     stash_elems: dict
     used_shared: tuple = ()
     host_tiles: bool = False
+    out_inputs: tuple = ()
 
     def stash_bytes_by_buffer(self) -> dict[tuple[str, str], int]:
         return {key: n * np.dtype(key[0]).itemsize for key, n in self.stash_elems.items()}
@@ -286,6 +290,10 @@ def analyze_stage(
             sources.append(("stash", leaf))
         else:
             sources.append(("derived",))
+    depends = set(invars)  # values computed from an input (what is left is computed from constants)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in depends for v in eqn.invars):
+            depends.update(eqn.outvars)
     used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)} | {
         v for v in jaxpr.outvars if isinstance(v, Var)
     }
@@ -301,6 +309,7 @@ def analyze_stage(
         sources=tuple(sources),
         stash_elems=stash_elems,
         host_tiles=host_tiles,
+        out_inputs=tuple(isinstance(v, Var) and v in depends for v in jaxpr.outvars[:n_out]),
     )
 
 

@@ -250,8 +250,11 @@ def stage_forward(
         lambda shared, per_layer, x, batch: end(shared, per_layer, x, batch, k), policy=policy.checkpoint_policy()
     )
 
+    # The embedding (first stage) under the policy too, as a stage without recomputed layers has it.
+    start = jax.checkpoint(begin, policy=policy.checkpoint_policy())
+
     def mixed(stage_params, shared, x, batch):
-        shared, x = begin(shared, x, batch)
+        shared, x = start(shared, x, batch)
         per_layer = per_layer_params(stage_params)
         for i in range(k):
             if i not in skip:

@@ -362,7 +362,7 @@ class AdaptiveProfiler:
     def _compiled_bytes(compiled, pipeline, batch) -> int:
         """memory_analysis() total, minus bytes placed on host that XLA:CPU counts as device."""
 
-        tick, _ = pipeline.program(batch)
+        tick, _ = pipeline.program({k: v for k, v in batch.items() if k != "rng"})
         return int(compiled_bytes(compiled) - host_bytes_counted_as_device(tick))
 
     @staticmethod
@@ -373,7 +373,16 @@ class AdaptiveProfiler:
         return jax.tree.map(spec, state.params), jax.tree.map(spec, state.opt_state)
 
     def _batch_spec(self, batch) -> dict:
-        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
+        """The step's arguments beside the state as shapes: the batch split over ``data``, a dropout
+        model's step key (``rng``) replicated."""
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        replicated = NamedSharding(self.base.mesh, P())
+        return {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated if k == "rng" else self.batch_sharding)
+            for k, v in batch.items()
+        }
 
     def _compile(self, pipeline, batch, abstract_state: tuple, *, background: bool = False):
         start = time.perf_counter()

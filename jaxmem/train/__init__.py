@@ -40,3 +40,4 @@ from jaxmem.train._trainer import Trainer as Trainer
 from jaxmem.train._trainer import abstract_state as abstract_state
 from jaxmem.train._trainer import learning_rate as learning_rate
 from jaxmem.train._trainer import make_optimizer as make_optimizer
+from jaxmem.train._trainer import step_key as step_key

@@ -80,7 +80,7 @@ def train_adaptive(config: TrainConfig, *, progress: bool = True, hooks=()) -> d
             tick = time.perf_counter()
             data = dataclasses.replace(state.data, seq_len=seq)
             batch = data.batch_at(state.data.position)
-            state, loss = profiler.step(state, trainer.put_batch(batch), drop)
+            state, loss = profiler.step(state, trainer.put_batch(batch, step=state.step), drop)
             state = dataclasses.replace(
                 state, data=dataclasses.replace(state.data, position=state.data.position + config.batch_size)
             )

@@ -152,6 +152,13 @@ class CheckpointHook(Hook):
         restored = checkpointer.restore(trainer.restore_target(), self.restore_step, log=self.log)
         self.resumed_from = restored.step
         self.log(f"resumed from checkpoint step {restored.step} ({checkpointer.directory})")
+        moved = _dropout_layout_change(trainer, restored.meta)
+        if moved:
+            self.log(
+                f"note: model {trainer.model.name} draws random numbers (dropout) per step, replica, microbatch, "
+                f"stage and layer, and this run's layout differs from the checkpoint's ({moved}): from here it "
+                "draws other masks than the saved run would have -- a sound run, not the same run"
+            )
         return trainer.import_state(restored.state, restored.meta)
 
     def on_step(self, trainer, state, info):
@@ -241,3 +248,19 @@ def default_hooks(config: TrainConfig, log: Callable[[str], None] = lambda line:
     if config.sample_log:
         hooks.append(SampleLogHook(config.sample_log))
     return hooks
+
+
+def _dropout_layout_change(trainer, meta: dict) -> str:
+    """What differs between the saved run's layout and ``trainer``'s among what a dropout model's keys
+    fold in (:meth:`~jaxmem.pipeline.Pipeline.grad_fn`: replica, microbatch, stage, layer); empty for
+    a model that draws no random numbers, or the same layout."""
+    if not trainer.model.rng:
+        return ""
+    saved = meta.get("plan", {})
+    config = trainer.config
+    now = {
+        "data_parallel": config.data_parallel,
+        "microbatches": trainer.schedule.num_microbatches,
+        "layers_per_stage": list(trainer.pipeline.layer_counts),
+    }
+    return ", ".join(f"{k} {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v)

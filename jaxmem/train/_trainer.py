@@ -26,13 +26,21 @@ from jaxmem.data import (
     load_samples,
 )
 from jaxmem.memory import measure
-from jaxmem.models import StagedModel, describe_model
+from jaxmem.models import RNG_SPEC, StagedModel, describe_model, evaluating
 from jaxmem.pipeline import Pipeline, PipelineParams, batch_spec, make_mesh
 from jaxmem.train._state import TrainState, global_put, to_device
 from jaxmem.train._state_io import TrainStateReader, nest
 from jaxmem.train._update import streamed_groups, streamed_update
 
-__all__ = ["Trainer", "abstract_state", "learning_rate", "make_optimizer"]
+__all__ = ["Trainer", "abstract_state", "learning_rate", "make_optimizer", "step_key"]
+
+
+def step_key(seed: int, step: int) -> np.ndarray:
+    """The key of optimizer step ``step`` of a run seeded ``seed``, for a model that draws random
+    numbers (dropout, :attr:`~jaxmem.models.StagedModel.rng`): a raw ``uint32[2]`` threefry key, a
+    function of the two alone, so a resumed run draws the masks the uninterrupted run would have
+    (on the same stage split, microbatches and replicas: the pipeline folds those in)."""
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), step)), np.uint32)
 
 
 def learning_rate(spec: OptimizerSpec | TrainConfig):
@@ -112,6 +120,7 @@ class Trainer:
         self, config: TrainConfig, *, devices: Sequence | None = None, optimizer=None, corpus=None, samples=None
     ):
         self.samples = self.eval_samples = None
+        self._own_batch = None  # the keys of a model's own batch when no samples are given
         if samples is None and config.samples is not None:
             samples = load_samples(config.samples)
         if samples is not None:
@@ -159,7 +168,8 @@ class Trainer:
         # jaxmem's own optimizer is elementwise after its clip: offloaded state can be updated by the layer.
         self.streams_update = optimizer is None
         self.learning_rate = learning_rate(config.optimizer) if optimizer is None else None
-        self.data_iterator()  # checks the data against the model (vocabulary, sequence length)
+        if not self._own_batch:
+            self.data_iterator()  # checks the data against the model (vocabulary, sequence length)
         self._step_fn = None
         self._compiled = None
         self._eval_fn = None
@@ -172,11 +182,8 @@ class Trainer:
             return
         want = dict(own(self.config.batch_size, self.config.seq_len))
         if self.samples is None:
-            if set(want) != {"tokens", "targets"}:
-                raise JaxmemError(
-                    f"model {self.model.name} takes a batch of its own ({', '.join(sorted(want))}), which token data "
-                    "cannot give; pass its data as Trainer(config, samples=jaxmem.data.Samples(...))"
-                )
+            # Its steps compile for its own batch (memory, plan); training needs its samples.
+            self._own_batch = None if set(want) == {"tokens", "targets"} else sorted(want)
             return
         got = self.samples.spec(self.config.batch_size)
         shapes = {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in want.items()}
@@ -205,17 +212,35 @@ class Trainer:
         return self.corpus.name if self.corpus is not None else "synthetic"
 
     def batch_spec(self, seq: int | None = None) -> dict:
-        """The abstract global batch of a step (with its sharding over ``data``)."""
+        """The abstract global batch of a step's data (with its sharding over ``data``): the samples'
+        (a model with a batch of its own), else tokens and targets -- or, for a model with a batch of
+        its own and no samples given, its ``batch_spec`` (the step compiles; it cannot train)."""
         if self.samples is not None:
             spec = self.samples.spec(self.config.batch_size)
+        elif self._own_batch:
+            spec = dict(self.model.batch_spec(self.config.batch_size, seq or self.config.seq_len))
         else:
             spec = batch_spec(self.config.batch_size, seq or self.config.seq_len)
         return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in spec.items()}
+
+    def step_spec(self, seq: int | None = None) -> dict:
+        """What the train step takes beside the state: :meth:`batch_spec`, and for a model that draws
+        random numbers the step's key ``rng`` (replicated; :func:`step_key`)."""
+        spec = self.batch_spec(seq)
+        if self.model.rng:
+            spec["rng"] = jax.ShapeDtypeStruct(RNG_SPEC.shape, RNG_SPEC.dtype, sharding=NamedSharding(self.mesh, P()))
+        return spec
 
     def data_iterator(
         self, seed: int | None = None, position: int = 0, *, split: str = "train"
     ) -> DataIterator | SampleIterator:
         """The batches of the training data (``split="eval"``: of the held-out data)."""
+        if self._own_batch:
+            raise JaxmemError(
+                f"model {self.model.name} takes a batch of its own ({', '.join(self._own_batch)}), which token data "
+                "cannot give; pass its samples: jaxmem train --samples package.module:attr (a function returning "
+                "jaxmem.data.Samples), or Trainer(config, samples=jaxmem.data.Samples(...))"
+            )
         if not self.has_eval and split == "eval":
             raise JaxmemError(f"this run holds out no eval data; set {setting('eval_fraction')}")
         if self.samples is not None:
@@ -278,15 +303,18 @@ class Trainer:
         """The jitted train step ``(params, opt_state, batch) -> (params, opt_state, metrics)`` of
         ``pipeline`` (same parameter layout as this trainer's) for batches like ``batch`` (a batch
         dict or spec); compiled on first call. ``metrics``: ``loss`` and the gradients' global norm
-        ``grad_norm`` (before clipping)."""
-        grad_fn = pipeline.grad_fn(batch)
+        ``grad_norm`` (before clipping). A model that draws random numbers (dropout) finds the step's
+        key in ``batch["rng"]`` (:meth:`put_batch` with the step, :func:`step_key`)."""
+        grad_fn = pipeline.grad_fn({k: v for k, v in batch.items() if k != "rng"})
         optimizer = self.optimizer
         offloaded = tuple(w or s for w, s in zip(pipeline.weights_on_host, pipeline.optimizer_state_on_host))
         roles = streamed_groups(pipeline.placement, offloaded) if self.streams_update and any(offloaded) else None
         inner, clip = _elementwise(self.config.optimizer), self.config.optimizer.grad_clip
 
         def step(params, opt_state, batch):
-            loss, grads = grad_fn(pipeline.compute_params(params), batch)
+            batch = dict(batch)
+            rng = batch.pop("rng", None)
+            loss, grads = grad_fn(pipeline.compute_params(params), batch, rng)
             grad_norm = optax.tree.norm(grads)
             if roles is not None:  # offloaded stages updated layer by layer, their state streamed
                 params, opt_state = streamed_update(inner, grads, opt_state, params, roles, clip=clip)
@@ -304,7 +332,7 @@ class Trainer:
     def step_fn(self):
         """The jitted train step (see :meth:`build_step`)."""
         if self._step_fn is None:
-            self._step_fn = self.build_step(self.pipeline, self.batch_spec())
+            self._step_fn = self.build_step(self.pipeline, self.step_spec())
         return self._step_fn
 
     def compiled(self, state: TrainState):
@@ -318,29 +346,44 @@ class Trainer:
     def eval_loss(self, state: TrainState, batches: int | None = None) -> float:
         """Mean loss over the first ``batches`` batches of the held-out data (the same batches every
         time). It runs the schedule's forwards alone (:meth:`~jaxmem.pipeline.Pipeline.loss_fn`: no
-        backward, nothing stashed), as its own compiled program."""
+        backward, nothing stashed), as its own compiled program. A Flax model is evaluated in its
+        evaluation mode (:func:`~jaxmem.models.evaluating`: no dropout); one that draws random numbers
+        its own way gets the same fixed key every time, so evaluations compare."""
         batches = batches or self.config.eval_batches
         data = self.data_iterator(split="eval")
+        key = step_key(self.config.seed, 2**32 - 1) if self.model.rng else None  # a step no run reaches
         if self._eval_fn is None:
             pipeline = self.pipeline
             loss_fn = pipeline.loss_fn(self.batch_spec())
-            self._eval_fn = jax.jit(
-                lambda p, b: loss_fn(pipeline.compute_params(p), b), out_shardings=NamedSharding(self.mesh, P())
-            )
+
+            def eval_loss(params, batch, key):
+                with evaluating():
+                    return loss_fn(pipeline.compute_params(params), batch, key)
+
+            self._eval_fn = jax.jit(eval_loss, out_shardings=NamedSharding(self.mesh, P()))
         params = to_device(state.params)
         losses = [
-            float(np.asarray(jax.device_get(self._eval_fn(params, self.put_batch(data.batch_at(i * data.batch_size))))))
+            float(
+                np.asarray(
+                    jax.device_get(self._eval_fn(params, self.put_batch(data.batch_at(i * data.batch_size)), key))
+                )
+            )
             for i in range(batches)
         ]
         return float(np.mean(losses))
 
-    def put_batch(self, batch: Batch | SampleBatch) -> dict:
-        """The global batch as arrays split over ``data`` (every process holds the same host batch)."""
-        return {k: global_put(v, self.batch_sharding) for k, v in batch.arrays().items()}
+    def put_batch(self, batch: Batch | SampleBatch, step: int | None = None) -> dict:
+        """The global batch as arrays split over ``data`` (every process holds the same host batch);
+        with ``step``, for a model that draws random numbers, the step's key beside it (``rng``,
+        :func:`step_key`), as the train step takes it."""
+        arrays = {k: global_put(v, self.batch_sharding) for k, v in batch.arrays().items()}
+        if step is not None and self.model.rng:
+            arrays["rng"] = global_put(step_key(self.config.seed, step), NamedSharding(self.mesh, P()))
+        return arrays
 
     def lower(self, state: TrainState):
         """The lowered (not yet compiled) step, e.g. for ``.compile().memory_analysis()``."""
-        return self.step_fn.lower(state.params, state.opt_state, self.batch_spec())
+        return self.step_fn.lower(state.params, state.opt_state, self.step_spec())
 
     def abstract_state(self) -> tuple:
         """``(params, opt_state)`` of this trainer's state as shapes and shardings (nothing allocated)."""
@@ -359,7 +402,7 @@ class Trainer:
         here, :mod:`jaxmem.targets`)."""
         if self._compiled is None:
             params, opt_state = self.abstract_state()
-            self._compiled = self.step_fn.lower(params, opt_state, self.batch_spec()).compile()
+            self._compiled = self.step_fn.lower(params, opt_state, self.step_spec()).compile()
         return self._compiled
 
     @property
@@ -387,7 +430,8 @@ class Trainer:
         # The one executable (see compiled()): calling the jitted step_fn would compile it again, as
         # jit's cache does not hold an executable compiled ahead of time (minutes at scale). Its
         # dispatch is as fast (tiny GPT on CPU: 17.9-21.2 ms a step either way).
-        params, opt_state, metrics = self.compiled(state)(state.params, state.opt_state, self.put_batch(batch))
+        arrays = self.put_batch(batch, step=state.step)
+        params, opt_state, metrics = self.compiled(state)(state.params, state.opt_state, arrays)
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, data=data), metrics, batch
 
     # ------------------------------------------------------------------ checkpoints
