@@ -786,7 +786,7 @@ def from_nnx(
         with _cheap_tracer_attribute_errors(), nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
         if isinstance(abstract, nnx.Module) and (
-            _held_arrays(abstract) or _state_paths(nnx.state(abstract, nnx.Not(nnx.Param)))
+            _held_arrays(abstract) or _state_paths(nnx.state(abstract, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
         ):
             # State other than parameters is held as constants, which need their values: the module
             # is built once for real (seed 0) -- only for a model that has such state.
