@@ -500,11 +500,15 @@ def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
     ranks = _rank_ledgers(
         schedule.num_ranks, param_bytes, grads, optimizer, Bytes(stash_dev, stash_host), transient, live
     )
-    if "tokens" in batch:
-        size, seq = batch["tokens"].shape
-    else:  # a batch of the model's own: its leading dimension, and a sequence where a leaf has one
-        size = next(iter(batch.values())).shape[0]
-        seq = next((leaf.shape[1] for leaf in batch.values() if len(leaf.shape) > 1), 1)
+    from jaxmem.pipeline._executor import _batch_size
+
+    size = _batch_size(batch)
+    # The sequence: the tokens', or (a batch of the model's own) a leaf's second dimension where one has it.
+    seq = (
+        batch["tokens"].shape[1]
+        if "tokens" in batch
+        else next((v.shape[1] for v in batch.values() if len(v.shape) > 1), 1)
+    )
     mb = pipeline.check_batch(batch)
     meta = _meta(pipeline.model, schedule, pipeline.policy, size, seq, pipeline.data, mb)
     meta.update(

@@ -758,8 +758,11 @@ def from_nnx(
             takes when it is not the language models' int32 ``tokens``/``targets`` (e.g. a
             classifier's images and labels): the ledger and planner trace the model with it.
 
-    Only ``nnx.Param`` variables are trained. A model with other stored state (batch statistics, RNG
-    streams kept in the module) is refused with the variables named.
+    Only ``nnx.Param`` variables are trained. Other state (a buffer ``nnx.Variable``, a plain array
+    attribute, a BatchNorm's fixed statistics) is held as a constant of the model's code, taken from
+    the module built with seed 0 (a factory with such state is built once for real); a forward that
+    writes it (BatchNorm in training mode) is refused where it writes, and RNG streams kept in the
+    module are refused with the variables named (pass ``rng=True`` instead).
 
     >>> from flax import nnx
     >>> class Net(nnx.Module):

@@ -291,6 +291,7 @@ class _Run:
             for t in abstract.stages
         ]
         with unchecked():  # the stage's own math, as the actions run it (see unchecked)
+            self.bare_x_like = _bare_tree(self.x_like)
             self.plans = self._plans(whole_stages, first_mb)
         self.splits: dict[StageClass, tuple] = {}  # per class, its backward split into I and W, and its cut
         self._updated: dict[int, tuple] = {}  # per branch, which state leaves it updates (idle_for)
@@ -310,7 +311,7 @@ class _Run:
                 pipeline.stage_fn(c),
                 whole_stages[c.local],
                 self.whole_like(body.abstract.shared),
-                _bare_tree(self.x_like),
+                self.bare_x_like,
                 _bare_tree(first_mb),
                 stash_to_host=pipeline._stash_to_host(c),
                 host_tiles=body.host_tiles,
@@ -492,7 +493,7 @@ class _Run:
         }
         unpack = None if arena is None else arena.unpacker(pin)
         params, shared_in, micro, current = _bare_tree((params, shared_in, micro, current))  # see unchecked
-        pullback = plan.pullback(params, shared_in, _bare_tree(self.x_like), micro, current, pin=pin, unpack=unpack)
+        pullback = plan.pullback(params, shared_in, self.bare_x_like, micro, current, pin=pin, unpack=unpack)
         if c.last and body.vocab_split is None:
             # Typed like the outputs (a constant weight varies over no mesh axis).
             loss_aval, weight_aval = plan.out_avals
@@ -547,8 +548,9 @@ class _Run:
             unpack = None if arena is None else arena.unpacker(body.pin)
 
             def backward(params, shared_in, micro, current, ct):
-                x_like = _bare_tree(self.x_like)
-                return plan.pullback(params, shared_in, x_like, micro, current, pin=body.pin, unpack=unpack)(ct)
+                return plan.pullback(params, shared_in, self.bare_x_like, micro, current, pin=body.pin, unpack=unpack)(
+                    ct
+                )
 
             input_grad = not (c.first and body.vocab_split is None)
             split = stage_split(backward, *args, input_grad=input_grad, hand_recomputed=body.pipeline.hand_recomputed)
