@@ -22,8 +22,7 @@ import numpy as np
 
 from jaxmem._errors import JaxmemError
 from jaxmem.models import StagedModel, get_model, microbatch_key, synthetic_batch
-from jaxmem.pipeline import Pipeline, make_mesh
-from jaxmem.pipeline._executor import _batch_size
+from jaxmem.pipeline import Pipeline, batch_size, make_mesh
 from jaxmem.schedule import Schedule, validate
 
 __all__ = ["ATOL", "RTOL", "Tolerance", "plain_value_and_grad", "tolerance_for", "verification_model", "verify"]
@@ -111,7 +110,7 @@ def reference_loss(
         return loss
 
     def loss(params, batch):
-        size = _batch_size(batch)
+        size = batch_size(batch)
         mb = size // (data_parallel * microbatches)
         total = weight = 0.0
         for d in range(data_parallel):

@@ -500,9 +500,9 @@ def measure(pipeline, compiled, *, batch, params, opt_state) -> Ledger:
     ranks = _rank_ledgers(
         schedule.num_ranks, param_bytes, grads, optimizer, Bytes(stash_dev, stash_host), transient, live
     )
-    from jaxmem.pipeline._executor import _batch_size
+    from jaxmem.pipeline import batch_size
 
-    size = _batch_size(batch)
+    size = batch_size(batch)
     # The sequence: the tokens', or (a batch of the model's own) a leaf's second dimension where one has it.
     seq = (
         batch["tokens"].shape[1]

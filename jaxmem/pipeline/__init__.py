@@ -7,6 +7,7 @@ from jaxmem.pipeline._cut import TensorCut as TensorCut
 from jaxmem.pipeline._cut import analyze_cut as analyze_cut
 from jaxmem.pipeline._cut import cut_dims as cut_dims
 from jaxmem.pipeline._executor import Pipeline as Pipeline
+from jaxmem.pipeline._executor import batch_size as batch_size
 from jaxmem.pipeline._executor import batch_spec as batch_spec
 from jaxmem.pipeline._executor import make_mesh as make_mesh
 from jaxmem.pipeline._executor import splits_backward as splits_backward

@@ -147,7 +147,7 @@ def _spec_of(batch) -> dict:
     return {k: jax.ShapeDtypeStruct(tuple(v.shape), jnp.dtype(v.dtype)) for k, v in batch.items()}
 
 
-def _batch_size(spec: dict) -> int:
+def batch_size(spec: dict) -> int:
     """The batch size of a batch spec: the leading dimension of its leaves (``tokens`` first)."""
     first = spec["tokens"] if "tokens" in spec else spec[min(spec)]
     if not first.shape:
@@ -169,7 +169,7 @@ def splits_backward(schedule: Schedule, split_backward: bool) -> bool:
 def _counted(spec: dict) -> int:
     """What the loss's mean is over, before a loss mask: the targets of a language model's batch
     (every position), else the examples."""
-    return int(np.prod(spec["targets"].shape)) if "targets" in spec else _batch_size(spec)
+    return int(np.prod(spec["targets"].shape)) if "targets" in spec else batch_size(spec)
 
 
 def _key(spec: dict) -> tuple:
@@ -506,7 +506,7 @@ class Pipeline:
         """Microbatch size for a batch (a batch dict or spec, or a batch size with ``seq``); raises with
         values that would work otherwise."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
-        size = _batch_size(spec)
+        size = batch_size(spec)
         for key, leaf in spec.items():
             if not leaf.shape or leaf.shape[0] != size:
                 raise JaxmemError(
