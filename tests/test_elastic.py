@@ -381,10 +381,10 @@ def test_shared_core_model_and_calibration():
 
 
 def test_the_shipped_process_constants_predict_the_recorded_runs_they_were_not_fitted_on():
-    """#15 item 8: the multi-process step model's constants are the fit of benchmarks/elastic_fit.py
-    on its recorded runs (the tiny GPT), and predict the recorded runs of another model shape
-    (llama-tiny) and other meshes within the record's figures: calibrated as the recovery planner
-    calibrates, 8% worst and 5% mean; uncalibrated, 29% worst."""
+    """#15 item 8, refitted for issue 67: the launched-job step model's constants are the fit of
+    benchmarks/elastic_fit.py on its recorded runs (the tiny GPT on 1 to 4 processes), and predict the
+    recorded runs of another model shape (llama-tiny) and other meshes within the record's figures:
+    calibrated as the recovery planner calibrates, 16% worst and 7% mean; uncalibrated, 29% worst."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     import elastic_fit
 
@@ -400,10 +400,10 @@ def test_the_shipped_process_constants_predict_the_recorded_runs_they_were_not_f
     fit_rows = [r for r in record["rows"] if r["group"] == "fit"]
     holdout = [r for r in record["rows"] if r["group"] == "holdout"]
     assert {r["spec"][0] for r in holdout} - {r["spec"][0] for r in fit_rows}  # a model the fit did not see
-    shipped = (*dataclasses.astuple(CPU_LOCKSTEP_PROCESSES)[:3], CPU_LOCKSTEP_PROCESSES.oversubscription)
-    np.testing.assert_allclose(shipped, elastic_fit.fit(fit_rows, hardware), rtol=0.05, atol=1e-9)
+    shipped = tuple(getattr(CPU_LOCKSTEP_PROCESSES, name) for name in elastic_fit.NAMES)
+    np.testing.assert_allclose(shipped, elastic_fit.fit(fit_rows, hardware), rtol=0.05, atol=1.0)  # 1 FLOP
     result = elastic_fit.evaluate(holdout, hardware, shipped, fit_rows)
-    assert result["worst_calibrated_error"] < 0.09 and result["mean_abs_calibrated_error"] < 0.06, result
+    assert result["worst_calibrated_error"] < 0.17 and result["mean_abs_calibrated_error"] < 0.08, result
     assert result["worst_error"] < 0.3, result
 
 
@@ -841,22 +841,30 @@ def test_the_workers_get_the_users_arguments_and_the_launchers_settings_apart(tm
 
 def test_the_coordinator_listens_on_the_jobs_address_only(tmp_path):
     """Process 0's coordination service (unauthenticated gRPC) binds the job's loopback address,
-    not every interface: read from /proc/net after a one-process job has started."""
+    not every interface: read from /proc/net while process 0 of a two-process job waits for the
+    other (its join runs in a thread; the script exits once it has looked)."""
     script = tmp_path / "bind.py"
     script.write_text(
         textwrap.dedent(
             """
-            import os, socket
+            import os, socket, threading, time
             s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-            os.environ.update(JAXMEM_COORDINATOR=f"127.0.0.1:{port}", JAXMEM_NUM_PROCESSES="1", JAXMEM_PROCESS_ID="0")
+            os.environ.update(JAXMEM_COORDINATOR=f"127.0.0.1:{port}", JAXMEM_NUM_PROCESSES="2", JAXMEM_PROCESS_ID="0")
             from jaxmem.cli._common import maybe_initialize_distributed
-            maybe_initialize_distributed()
-            for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-                for line in open(name).read().splitlines()[1:]:
-                    fields = line.split()
-                    addr, p = fields[1].rsplit(":", 1)
-                    if int(p, 16) == port and fields[3] == "0A":  # LISTEN
-                        print(addr)
+            threading.Thread(target=maybe_initialize_distributed, daemon=True).start()
+            found = []
+            for _ in range(600):
+                for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+                    for line in open(name).read().splitlines()[1:]:
+                        fields = line.split()
+                        addr, p = fields[1].rsplit(":", 1)
+                        if int(p, 16) == port and fields[3] == "0A":  # LISTEN
+                            found.append(addr)
+                if found:
+                    break
+                time.sleep(0.1)
+            print(" ".join(found), flush=True)
+            os._exit(0)
             """
         )
     )
@@ -865,6 +873,26 @@ def test_the_coordinator_listens_on_the_jobs_address_only(tmp_path):
     assert listening, out.stderr[-2000:]
     # 127.0.0.1 as an IPv4 or IPv4-mapped IPv6 address; never 0.0.0.0 or ::.
     assert all(a.endswith("0100007F") for a in listening), listening
+
+
+def test_a_one_process_launch_runs_alone(monkeypatch):
+    """A job of one process (a recovery onto the last survivor, or ``--nprocs 1``) does not join
+    jax.distributed: with it, XLA:CPU ran the process's own collectives through gloo, 1.48 s a step
+    of the tiny model on pipe 2 against 0.20 s alone (issue 67)."""
+    import jax
+
+    from jaxmem.cli._common import maybe_initialize_distributed
+
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setenv("JAXMEM_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("JAXMEM_PROCESS_ID", "0")
+    monkeypatch.setenv("JAXMEM_NUM_PROCESSES", "1")
+    maybe_initialize_distributed()
+    assert joined == []
+    monkeypatch.setenv("JAXMEM_NUM_PROCESSES", "2")
+    maybe_initialize_distributed()
+    assert [kw["num_processes"] for kw in joined] == [2]
 
 
 def test_a_second_launch_into_a_live_run_dir_touches_nothing(tmp_path):

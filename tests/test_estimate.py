@@ -35,19 +35,31 @@ def test_planner_profiler_and_recovery_price_one_configuration_alike(data, fsdp)
 
 
 def test_processes_beyond_the_cores_slow_the_estimate_by_the_fitted_exponent():
-    """The CPU step of a launched job (one process per rank): the recovery planner's figure is the
-    estimator's on a profile that says how many processes share the cores."""
+    """The CPU step of a launched job: the recovery planner's figure is the estimator's on a profile
+    that says how many processes share the cores -- the process terms added when the devices span
+    more than one process (gloo between them; a job of one process runs alone), and processes beyond
+    the cores slowing the step by the fitted exponent."""
     from jaxmem.elastic import predicted_step_seconds
+    from jaxmem.memory import shared_core_terms
 
     model = get_model("tiny")
     schedule = generate("1f1b", 4, 4)
-    cpu = dataclasses.replace(HARDWARE["cpu"], cores=2, lockstep=CPU_LOCKSTEP_PROCESSES)
-    fitting = estimate(model, schedule, batch=BATCH, seq=SEQ, hardware=cpu, memory=False).step_seconds
+    c = CPU_LOCKSTEP_PROCESSES
+    assert c.process_tick_flops > 0 and c.pooled_imbalance is not None
+    cpu = dataclasses.replace(HARDWARE["cpu"], cores=2, lockstep=c)
+    costs = estimate(model, schedule, batch=BATCH, seq=SEQ, hardware=cpu, memory=False).costs
+    ticks, even, excess = shared_core_terms(schedule, costs, 1, 2)
+    rate = cpu.flops_per_second
     for processes in (1, 2, 4):
         profile = dataclasses.replace(cpu, processes=processes)
         seconds = estimate(model, schedule, batch=BATCH, seq=SEQ, hardware=profile, memory=False).step_seconds
-        slowdown = max(processes / 2, 1.0) ** CPU_LOCKSTEP_PROCESSES.oversubscription
-        assert seconds == pytest.approx(fitting * slowdown, rel=1e-12)
+        slowdown = max(processes / 2, 1.0) ** c.oversubscription
+        fixed = c.step_flops + ticks * c.tick_flops
+        if processes > 1:  # gloo between the processes
+            fixed += c.process_step_flops + ticks * c.process_tick_flops
+        # 4 devices over 4 processes: one each, on a pool of both cores
+        weight = c.pooled_imbalance if processes == 4 else c.imbalance
+        assert seconds == pytest.approx((fixed / rate + even + weight * excess) * slowdown, rel=1e-12)
         recovery = predicted_step_seconds(
             model, "1f1b", 4, 1, 4, BATCH, SEQ, None, hardware=HARDWARE["cpu"], cores=2, nprocs=processes
         )

@@ -499,3 +499,23 @@ def test_the_hidden_update_ceiling_matches_its_records():
         f"with recompute instead it runs at {recompute:.2f}x" in text
     )
     assert max(streamed, recompute) < 0.95
+
+
+def elastic_rows(record) -> list[str]:
+    """The README's elastic table rows, from benchmarks/results/elastic.json."""
+    rows = []
+    for name, scenario in record["scenarios"].items():
+        free = scenario["failure_free"]["measured_step_seconds"]
+        for label, r in scenario["runs"].items():
+            per = ", ".join(f"{100 * e:+.1f}" for e in r["prediction_errors_per_run"])
+            rows.append(
+                f"| {name} | {label}: {r['strategy']} | {r['predicted_step_seconds']:.3f} / "
+                f"{r['measured_step_seconds']:.3f} s | {100 * r['prediction_error']:+.1f}% ({per}) | "
+                f"{free:.3f} s, {free / r['measured_step_seconds']:.2f}x |"
+            )
+    return rows
+
+
+def test_the_elastic_table_matches_its_record():
+    for row in elastic_rows(_record("elastic.json")):
+        assert " ".join(row.split()) in README, row

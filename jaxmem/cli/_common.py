@@ -214,6 +214,10 @@ def maybe_initialize_distributed() -> None:
     import jax
 
     if os.environ.get("JAXMEM_COORDINATOR"):
+        if os.environ.get("JAXMEM_NUM_PROCESSES") == "1":
+            # A job of one process (a recovery onto the last survivor) runs alone: joined, XLA:CPU ran
+            # its own devices' collectives through gloo, 7x slower a step on pipe 2.
+            return
         # The coordination service (process 0) listens on the job's own address only (loopback for
         # `jaxmem launch`), not on every interface: it is an unauthenticated gRPC service.
         jax.distributed.initialize(

@@ -18,19 +18,19 @@ predicted step time``; the step time comes from the schedule simulator with FLOP
 hardware profile, calibrated by the measured pre-failure step (the worker's own median step time).
 
 On a CPU (its virtual devices sharing the cores), step time follows the shared-core lockstep model
-of :mod:`jaxmem.memory` (the one ``--plan auto`` uses, with its constants for one process per rank),
-and processes beyond the cores slow every step by ``(processes / cores) ** e`` (time-slicing;
-collectives between processes waiting for a core; ``e`` is those constants' ``oversubscription``,
-and :func:`~jaxmem.memory.estimate` applies it for a profile with ``processes`` set). That exponent and the model's
-constants are fitted together on this 2-core machine by ``benchmarks/elastic_fit.py`` from failure-free
-runs (the tiny model, 1F1B, M=4 and 8, batch 32 x 64: pipe 4, 3 and 2 and data 2 x pipe 2 on 2 to 4
-processes) and checked on llama-tiny and on meshes the fit did not see (8% worst error calibrated
-as below, 29% uncalibrated);
-``benchmarks/elastic.py`` checks them on runs with failures. The calibration is one factor,
-measured / modelled pre-failure step, applied to every candidate: the machine's speed drifts (by up
-to a third here between runs), its shape does not. With a measured step the planner therefore
-starts from the nominal CPU profile and compiles nothing (the calibrated profile would time a
-compiled step first, minutes on a loaded machine, only for the factor to cancel it).
+of :mod:`jaxmem.memory` (the one ``--plan auto`` uses) with the constants of launched jobs
+(``CPU_LOCKSTEP_PROCESSES``): a fixed cost per tick that exchanges between pipe ranks, more when the
+devices span processes (gloo between them; a job of one process runs alone, without
+``jax.distributed``), and processes beyond the cores slowing every step by ``(processes / cores) ** e``
+(:func:`~jaxmem.memory.estimate` applies it for a profile with ``processes`` set). Those constants
+are fitted on this 2-core machine by ``benchmarks/elastic_fit.py`` from failure-free launches of the
+tiny model (1F1B, M=4 and 8, batch 32 x 64, 1 to 4 processes: the layouts recoveries start from and
+land on) and checked on llama-tiny and on meshes the fit did not see; ``benchmarks/elastic.py``
+checks them on runs with failures (figures in the README). The calibration is one factor, measured /
+modelled pre-failure step, applied to every candidate: the machine's speed drifts between runs, its
+shape less. With a measured step the planner therefore starts from the nominal CPU profile and
+compiles nothing (the calibrated profile would time a compiled step first, minutes on a loaded
+machine, only for the factor to cancel it).
 """
 
 from __future__ import annotations

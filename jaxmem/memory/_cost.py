@@ -20,13 +20,13 @@ byte once the executor wrote residuals in place -- 79 before, when the stash pat
 fitted on the 2-core development machine: ``CPU_LOCKSTEP`` for one process with virtual devices
 (``jaxmem train``), fitted by ``benchmarks/plan_ranking.py`` on eleven configurations (schedules,
 meshes, microbatch counts, policies) and checked on ten it did not see;
-``CPU_LOCKSTEP_PROCESSES`` for one process per rank exchanging over gloo (``jaxmem launch``), whose
-ticks cost about six times more, fitted by ``benchmarks/elastic_fit.py`` on eight failure-free
-launches of the tiny model (1F1B, M=4 and 8, pipe 4, 3 and 2 and data 2 x pipe 2, on 2 to 4
-processes) for what the recovery planner uses -- step-time ratios between configurations of one
-model and microbatch count, calibrated by one measured run -- and checked on eight of llama-tiny and
-of meshes it did not see. Uncalibrated, its predictions are off by up to 29% there: the model has no
-term for how XLA:CPU's speed depends on the microbatch's size.
+``CPU_LOCKSTEP_PROCESSES`` for jobs of ``jaxmem launch``, whose devices may span processes that
+exchange over gloo: its ``process_step_flops`` and ``process_tick_flops`` are added when they do (a
+job of one process runs alone, with no gloo), fitted by ``benchmarks/elastic_fit.py`` on failure-free
+launches of the tiny model (1F1B, M=4 and 8, pipe 4, 3, 2 and 1, data 1 and 2, on 1 to 4 processes)
+for what the recovery planner uses -- step-time ratios between configurations of one model and
+microbatch count, calibrated by one measured run -- and checked on launches of llama-tiny and of
+meshes it did not see (figures in that record and the README).
 """
 
 from __future__ import annotations
@@ -55,15 +55,44 @@ class Lockstep:
     # slowdown exponent of processes beyond the cores: a step takes (processes / cores) ** this longer
     # (time-slicing; collectives between processes waiting for a core)
     oversubscription: float = 0.0
+    # fixed costs added when the devices span more than one process (gloo exchanges between processes,
+    # each process's own dispatch): per step and per tick; 0 for the one-process constants
+    process_step_flops: float = 0.0
+    process_tick_flops: float = 0.0
+    # weight of the excess when the devices are spread over processes with fewer devices than cores:
+    # XLA:CPU then runs each device's kernels on a pool of all the cores, so a busy device takes the
+    # cores an idle one leaves (with at least as many, each device runs on one thread and cannot);
+    # None: ``imbalance``
+    pooled_imbalance: float | None = None
+
+    def excess_weight(self, pooled: bool) -> float:
+        """The weight of a tick's excess (``pooled``: devices on a pool of the cores, see above)."""
+        return self.pooled_imbalance if pooled and self.pooled_imbalance is not None else self.imbalance
+
+    def fixed_flops(self, ticks: int, processes: int | None = None) -> float:
+        """The step's fixed costs, FLOP-equivalents: per step and per tick, and the process terms when
+        the devices span more than one process."""
+        fixed = self.step_flops + ticks * self.tick_flops
+        if processes and processes > 1:
+            fixed += self.process_step_flops + ticks * self.process_tick_flops
+        return fixed
 
 
 # Fitted by benchmarks/plan_ranking.py (benchmarks/results/plan_ranking.json) on the executor that
 # writes residuals in place: a stashed byte costs about 6 FLOPs here (79 before, when every tick
 # scattered a zero-padded window and copied the gradient accumulators).
 CPU_LOCKSTEP = Lockstep(step_flops=0.0, tick_flops=4.1e7, imbalance=0.72, stash_flops_per_byte=6.3)
-# Fitted by benchmarks/elastic_fit.py (benchmarks/results/elastic_fit.json): one process per rank,
-# gloo exchanges -- each tick costs about 14 ms here.
-CPU_LOCKSTEP_PROCESSES = Lockstep(step_flops=3.2e8, tick_flops=2.9e8, imbalance=0.024, oversubscription=0.2)
+# Fitted by benchmarks/elastic_fit.py (benchmarks/results/elastic_fit.json) on launches of 1 to 4
+# processes: a tick costs 0.06 GFLOP-equivalents, 0.32 more when the devices span processes (gloo);
+# a device on one thread gets no help from idle ones (1.15), one on a pool of the cores all of it (0).
+CPU_LOCKSTEP_PROCESSES = Lockstep(
+    step_flops=0.0,
+    tick_flops=6.22e7,
+    imbalance=1.15,
+    oversubscription=0.45,
+    process_tick_flops=3.23e8,
+    pooled_imbalance=0.0,
+)
 
 __all__ = [
     "CPU_LOCKSTEP",
@@ -795,7 +824,15 @@ def estimate(
     compute = simulation.makespan
     if hardware.cores:  # the CPU runs the lockstep executor, its devices sharing the cores
         compute = hardware.oversubscribed * shared_core_step_seconds(
-            schedule, costs, replicas * tensor, hardware.cores, hardware.flops_per_second, hardware.lockstep
+            schedule,
+            costs,
+            replicas * tensor,
+            hardware.cores,
+            hardware.flops_per_second,
+            hardware.lockstep,
+            processes=hardware.processes,
+            pooled=bool(hardware.processes)
+            and schedule.num_ranks * replicas * tensor < hardware.cores * hardware.processes,
         )
     sync = gradient_sync_seconds(
         facts,
@@ -815,9 +852,12 @@ def estimate(
 
 def shared_core_terms(schedule: Schedule, costs: Costs, data_parallel: int, cores: int) -> tuple[int, float, float]:
     """The lockstep model's three terms for ``schedule.num_ranks * data_parallel`` devices on
-    ``cores`` cores: ``(ticks, even, excess)`` -- the number of ticks, the sum over ticks of their
-    busy ranks' work spread over the cores, and the sum of each tick's longest-action excess over
-    that even share (seconds, from ``costs``)."""
+    ``cores`` cores: ``(ticks, even, excess)`` -- the number of ticks that end in an exchange between
+    pipe ranks, the sum over ticks of their busy ranks' work spread over the cores, and the sum of each
+    tick's longest-action excess over that even share (seconds, from ``costs``). With one pipe rank no
+    tick exchanges anything: each device runs its actions back to back, with no barrier between them
+    (the tiny GPT on one process: data 2 x pipe 1 steps in 0.117 s, pipe 2 in 0.208 s; a fixed cost
+    per tick at pipe 1 put the first 25% over)."""
     from jaxmem.schedule import lockstep_ticks
 
     per_tick: dict[int, list[float]] = {}
@@ -828,7 +868,7 @@ def shared_core_terms(schedule: Schedule, costs: Costs, data_parallel: int, core
         share = sum(works) * data_parallel / cores
         even += share
         excess += max(max(works) - share, 0.0)
-    return len(per_tick), even, excess
+    return (len(per_tick) if schedule.num_ranks > 1 else 0), even, excess
 
 
 def shared_core_step_seconds(
@@ -838,12 +878,15 @@ def shared_core_step_seconds(
     cores: int,
     rate: float,
     constants: Lockstep = CPU_LOCKSTEP,
+    processes: int | None = None,
+    pooled: bool = False,
 ) -> float:
     """Seconds of one step when ``schedule.num_ranks * data_parallel`` devices share ``cores`` CPU
-    cores: the lockstep sum of the module docstring (``rate``: FLOP/s, to price the fixed costs)."""
+    cores: the lockstep sum of the module docstring (``rate``: FLOP/s, to price the fixed costs), with
+    the constants' process terms when the devices span ``processes`` > 1 (``pooled``: each process
+    has fewer devices than cores, :attr:`Lockstep.pooled_imbalance`)."""
     ticks, even, excess = shared_core_terms(schedule, costs, data_parallel, cores)
-    c = constants
-    return (c.step_flops + ticks * c.tick_flops) / rate + even + c.imbalance * excess
+    return constants.fixed_flops(ticks, processes) / rate + even + constants.excess_weight(pooled) * excess
 
 
 def _active_counts(counts, drop_layers) -> list[int]:

@@ -113,19 +113,34 @@ def _gather(leaf, p: LeafPlacement, dropped: int = 0):
     return leaf if dim is None else jax.lax.all_gather(leaf, "fsdp", axis=dim - dropped, tiled=True)
 
 
-def _scatter(grad, p: LeafPlacement, dropped: int = 0):
+def reduce_scatter(x, axis, dim: int, sum_then_slice: bool = False):
+    """``x`` summed over ``axis`` and cut along ``dim`` to this device's part: ``psum_scatter``, or with
+    ``sum_then_slice`` its equal as a ``psum`` and this device's slice. On XLA:CPU with gloo between
+    processes (jax 0.10.2) a program that reduce-scatters stalls its collective-permutes, about 100 ms
+    each: ten ``ppermute`` ticks and one reduce-scatter of 64 floats over two processes take 1.12 s a
+    step, with the sum and slice 8 ms (issue 67); the pipelined step's tick loop is such a program
+    (0.26 -> 1.64 s a step of the tiny GPT on pipe 2 over two processes). The sum moves twice the bytes
+    of the scatter, so only CPU programs spanning processes take it (:attr:`Pipeline.sum_then_slice`)."""
+    if not sum_then_slice:
+        return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    whole = jax.lax.psum(x, axis)
+    n = whole.shape[dim] // jax.lax.axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index(axis) * n, n, axis=dim)
+
+
+def _scatter(grad, p: LeafPlacement, dropped: int = 0, sum_then_slice: bool = False):
     """A whole gradient summed over ``fsdp`` and cut back to this device's shard."""
     dim = p.fsdp_dim
-    return grad if dim is None else jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim - dropped, tiled=True)
+    return grad if dim is None else reduce_scatter(grad, "fsdp", dim - dropped, sum_then_slice)
 
 
-def _finish(g, p: LeafPlacement, scale, whole: bool = False):
+def _finish(g, p: LeafPlacement, scale, whole: bool = False, sum_then_slice: bool = False):
     """Sum a gradient over the leaf's replicas, reduce-scattering where its state is cut (``whole``:
     accumulated whole over ``fsdp``, cut back to this device's shard first), times ``scale``."""
     if whole and p.fsdp_dim is not None:
-        g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=p.fsdp_dim, tiled=True)
+        g = reduce_scatter(g, "fsdp", p.fsdp_dim, sum_then_slice)
     for axis, dim in p.scatters():
-        g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+        g = reduce_scatter(g, axis, dim, sum_then_slice)
     if p.sums():
         g = jax.lax.psum(g, p.sums())
     return (g * scale).astype(g.dtype)
@@ -424,14 +439,15 @@ class _Run:
         grads = list(grads)
         leaves, treedef = jax.tree.flatten(d_params)
         acc = jax.tree.leaves(grads[local])
-        cut = (lambda d, p: d) if body.pipeline.kept_gathered[local] else (lambda d, p: _scatter(d, p, 1))
+        sliced = body.pipeline.sum_then_slice
+        cut = (lambda d, p: d) if body.pipeline.kept_gathered[local] else (lambda d, p: _scatter(d, p, 1, sliced))
         grads[local] = treedef.unflatten(
             [a + vary(cut(d.astype(a.dtype), p)) for a, d, p in zip(acc, leaves, body.stage_places[local])]
         )
         shared_acc = jax.tree.leaves(shared_grads)
         shared_grads = body.shared_treedef.unflatten(
             [
-                a + vary(_scatter(d.astype(a.dtype), p)) if used else a
+                a + vary(_scatter(d.astype(a.dtype), p, sum_then_slice=sliced)) if used else a
                 for a, d, p, used in zip(shared_acc, jax.tree.leaves(d_shared), body.shared_places, plan.used_shared)
             ]
         )
@@ -718,18 +734,19 @@ class _Run:
         if body.forward:
             return loss_sum / weight
         scale = body.tokens_global / weight  # exactly 1 without a loss mask
+        finish = functools.partial(_finish, scale=scale, sum_then_slice=body.pipeline.sum_then_slice)
         grads = tuple(
             jax.tree.unflatten(
-                jax.tree.structure(t), [_finish(g[None], p, scale, keep) for g, p in zip(jax.tree.leaves(t), places)]
+                jax.tree.structure(t), [finish(g[None], p, whole=keep) for g, p in zip(jax.tree.leaves(t), places)]
             )
             for t, places, keep in zip(grads, body.stage_places, kept_gathered)
         )
         shared_grads = body.shared_treedef.unflatten(
-            [_finish(g, p, scale) for g, p in zip(jax.tree.leaves(shared_grads), body.shared_places)]
+            [finish(g, p) for g, p in zip(jax.tree.leaves(shared_grads), body.shared_places)]
         )
         vocab_grads = jax.tree.unflatten(
             jax.tree.structure(vocab_grads),
-            [_finish(g[None], p, scale) for g, p in zip(jax.tree.leaves(vocab_grads), body.vocab_places)],
+            [finish(g[None], p) for g, p in zip(jax.tree.leaves(vocab_grads), body.vocab_places)],
         )
         return loss_sum / weight, grads, shared_grads, vocab_grads
 

@@ -274,6 +274,8 @@ class Pipeline:
             self.policy.offload_optimizer_state(schedule.stages_of(0)[v]) for v in range(self.virtual)
         )
         self.platform = platform_of(mesh)
+        # XLA:CPU over gloo: reduce-scatters as an all-reduce and a slice (_body.reduce_scatter says why).
+        self.sum_then_slice = self.platform == "cpu" and len({d.process_index for d in mesh.devices.flat}) > 1
         if (any(self.weights_on_host) or any(self.optimizer_state_on_host)) and not host_memory_kinds(mesh):
             kind = first_device(mesh).device_kind
             raise JaxmemError(
