@@ -15,7 +15,7 @@ the record covers more (three repeats, more scenarios), the check reads the reco
 
 Staleness (``--stale``, and beside every check): a record is STALE when a file its figure depends on
 (:attr:`Check.depends`) was committed after the record itself -- rerun the benchmark, or say in the
-README that the figure is the earlier release's. Run this before a release note claims a figure.
+docs that the figure is the earlier release's. Run this before a release note claims a figure.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ledger on the sharded layouts (issue 27, item 7): predicted against compiled device bytes per
 rank for GPT and Llama on P x D x F x T meshes of 8 virtual CPU devices, batch 16 x 64 tokens, M=8
-(the README's "Tensor layouts" table). Each row is ``jaxmem memory --mesh ... --compile yes``.
+(the tensor layouts table of docs/guides/tensor-axis.md). Each row is ``jaxmem memory --mesh ... --compile yes``.
 
     python benchmarks/tensor_ledger.py [--json]
 

@@ -199,7 +199,7 @@ def with_host_devices(flags: str, count: int, cores: int | None = None) -> str:
     by default XLA:CPU runs every device's matrix products on a pool of all the cores, so ``count``
     device threads and the pool's contend for the same cores. A small gain on the 2-core development
     machine with 4 devices: the plain data-parallel step the same, the pipelined steps' ratio to it a
-    median 3% lower over ``benchmarks/overhead.py``'s grid (README "What a tick costs")."""
+    median 3% lower over ``benchmarks/overhead.py``'s grid (docs: "The time model, measured")."""
     kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
     if count >= (cpu_cores() if cores is None else cores) and not any(
         f.startswith(ONE_THREAD_PER_DEVICE.split("=")[0]) for f in kept

@@ -554,6 +554,13 @@ def test_the_margin_keeps_a_fraction_of_the_budget_free_where_nothing_is_compile
     assert all(c.device_bytes <= 11 * 2**20 / (1 + LEDGER_MARGIN) for c in kept.candidates if c.fits)
     assert sum(c.fits for c in kept.candidates) < sum(c.fits for c in plain.candidates)
     assert any("5% margin" in line for line in kept.explain())
+    # The legend explains the notation, and every policy the explanation names.
+    legend = kept.legend()
+    assert all(f"{letter} " in legend[0] + legend[1] for letter in ("P", "V", "D", "F", "T", "M"))
+    named = {line.split(": ")[1].split()[-1] for line in kept.explain() if "runner-up" in line}
+    named.add(kept.best.policy_name)
+    assert named <= {line.strip().split(":")[0] for line in legend[2:]}, (named, legend)
+    assert kept.to_json()["legend"] == legend
     # confirm: none of the fastest compiles under the budget -> a clear error, not a pick.
     with pytest.raises(SearchError, match="fits it when compiled"):
         confirm(plain, lambda c: 13 * 2**20, log=lambda line: None)

@@ -1,5 +1,5 @@
-"""Every flag and subcommand the README's `jaxmem ...` commands name exists: a flag renamed or never
-added fails here (the README once showed `jaxmem memory ... --split-backward`, a flag that command
+"""Every flag and subcommand the `jaxmem ...` commands of the README and the docs pages name exists: a
+flag renamed or never added fails here (the README once showed `jaxmem memory ... --split-backward`, a flag that command
 did not have). Commands the prose names in part (`jaxmem plan --hardware cpu`) may leave out
 required arguments; only unknown flags, subcommands and choices fail."""
 
@@ -7,13 +7,13 @@ import contextlib
 import io
 import re
 import shlex
-from pathlib import Path
 
 import pytest
+from docs_text import all_text
 
 from jaxmem.cli import build_parser
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+README = all_text()
 FENCED = re.compile(r"```[a-z]*\n(.*?)```", flags=re.S)
 
 
@@ -21,7 +21,7 @@ def _commands() -> list[str]:
     found = []
     for block in FENCED.findall(README):  # continuation lines joined, comments dropped
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.split(" #")[0].strip()
+            line = line.split(" #")[0].strip().removeprefix("$ ")
             if line.startswith("jaxmem "):
                 found.append(line)
     prose = FENCED.sub("", README).split("`")

@@ -1,13 +1,15 @@
-"""README figures that cite a benchmark record agree with the record (rounded as the README rounds
-them): a rerun benchmark whose record changes fails here until the README says the same."""
+"""Figures the README and the docs pages cite from a benchmark record agree with the record (rounded as
+the pages round them): a rerun benchmark whose record changes fails here until the docs say the same."""
 
 import json
 import re
 import statistics
 from pathlib import Path
 
+from docs_text import all_text
+
 ROOT = Path(__file__).parent.parent
-README = " ".join((ROOT / "README.md").read_text().split())
+README = " ".join(all_text().split())  # the README and every docs page, whitespace made single spaces
 
 
 def _record(name):

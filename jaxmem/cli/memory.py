@@ -28,7 +28,7 @@ examples:
   jaxmem memory --policy offload-stash --dtype bfloat16 --target h100      # compiled for 4 H100s, here
 
 Policies: save-all, recompute-all, selective, offload-stash, offload-weights, offload-optimizer-state,
-offload-tags, or a TOML file (see README). "predicted" comes from the model's facts -- its traced
+offload-tags, or a TOML file (docs/guides/ledger.md). "predicted" comes from the model's facts -- its traced
 residuals and cost_analysis() FLOPs (the GPT: its closed form) -- without compiling the step;
 "compiled" from the jitted train step's memory_analysis() and the program's residuals and array
 memory kinds. On CPU, host offload is not lowered: offloaded bytes are proved structurally and their

@@ -250,10 +250,12 @@ def run(args) -> int:
             print(line)
         if result.best is not None and result.best.note:
             print(f"  policy detail: {result.best.note}")
+        for line in result.legend():
+            print(line)
         checked = " (the pick's bytes also compiled, above)" if result.confirmed else ""
         compiler = "XLA:CPU" if result.target == "cpu" else f"{result.target}'s compiler"
         print(f"hardware: {result.hardware['name']} ({result.hardware['note']}); all figures predicted{checked}; "
-              f"working sets compiled by {compiler}")  # fmt: skip
+              f"working sets compiled by {compiler}; {len(result.candidates):,} candidates scored")  # fmt: skip
         if command:
             print(f"to train it: {command}")
     return 0 if result.best is not None else 1

@@ -21,7 +21,7 @@ and the layout gain (the caching allocator's smallest device for the planned ord
 arena). Baselines: program order with a PyTorch-like caching allocator (the eager framework:
 allocated, reserved, and the smallest device it runs on, releasing its cache before it gives up),
 XLA's memory_analysis() (when compiled: by default for tiny, llama-tiny and experts; --compile yes/no
-to force). The planner is our reconstruction of ROAM plus list schedules: see the README."""
+to force). The planner is our reconstruction of ROAM plus list schedules: see docs/guides/roam.md."""
 
 
 def add_parser(sub) -> None:

@@ -26,7 +26,7 @@ devices span processes (gloo between them; a job of one process runs alone, with
 are fitted on this 2-core machine by ``benchmarks/elastic_fit.py`` from failure-free launches of the
 tiny model (1F1B, M=4 and 8, batch 32 x 64, 1 to 4 processes: the layouts recoveries start from and
 land on) and checked on llama-tiny and on meshes the fit did not see; ``benchmarks/elastic.py``
-checks them on runs with failures (figures in the README). The calibration is one factor, measured /
+checks them on runs with failures (figures in docs/guides/elastic.md). The calibration is one factor, measured /
 modelled pre-failure step, applied to every candidate: the machine's speed drifts between runs, its
 shape less. With a measured step the planner therefore starts from the nominal CPU profile and
 compiles nothing (the calibrated profile would time a compiled step first, minutes on a loaded

@@ -26,7 +26,7 @@ job of one process runs alone, with no gloo), fitted by ``benchmarks/elastic_fit
 launches of the tiny model (1F1B, M=4 and 8, pipe 4, 3, 2 and 1, data 1 and 2, on 1 to 4 processes)
 for what the recovery planner uses -- step-time ratios between configurations of one model and
 microbatch count, calibrated by one measured run -- and checked on launches of llama-tiny and of
-meshes it did not see (figures in that record and the README).
+meshes it did not see (figures in that record and docs/concepts/time-model.md).
 """
 
 from __future__ import annotations

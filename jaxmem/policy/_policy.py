@@ -618,8 +618,9 @@ def from_spec(spec) -> Policy:
 
     >>> from_spec("recompute-all").default.base
     'recompute-all'
-    >>> from_spec({"base": "save-all", "stage": {"0": "recompute-all"}}).stages[0][0]
-    0
+    >>> stage, policy = from_spec({"base": "save-all", "stage": {"0": "recompute-all"}}).stages[0]
+    >>> stage, policy.base
+    (0, 'recompute-all')
     """
     if isinstance(spec, Policy):
         return spec

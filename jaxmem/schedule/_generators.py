@@ -98,8 +98,8 @@ def gpipe(pipe: int, microbatches: int) -> Schedule:
     """GPipe: every rank runs all forwards, then all backwards. Holds all M activations per rank.
 
     >>> s = gpipe(2, 2)
-    >>> [str(a) for a in s.actions(0)]
-    ['0F0', '0F1', '0B0', '0B1']
+    >>> " ".join(str(a) for a in s.actions(0))
+    '0F0 0F1 0B0 0B1'
     """
     _check_sizes("gpipe", pipe, microbatches)
     orders = [
@@ -113,8 +113,8 @@ def one_f_one_b(pipe: int, microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): P - r - 1 warm-up forwards on rank r, then one forward and one backward
     alternately. Rank r holds at most P - r activations.
 
-    >>> [str(a) for a in one_f_one_b(2, 3).actions(0)]
-    ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
+    >>> " ".join(str(a) for a in one_f_one_b(2, 3).actions(0))
+    '0F0 0F1 0B0 0F2 0B1 0B2'
     """
     _check_sizes("1f1b", pipe, microbatches)
     orders = []

@@ -167,6 +167,30 @@ class SearchResult:
             lines.append(f"  no pipeline (FSDP only): {c.schedule} {mesh(c)} M={c.microbatches} {c.policy_name}: {why}")
         return lines
 
+    def legend(self, top: int = 5) -> list[str]:
+        """What the notation of :meth:`explain` means: the layout letters, and each policy it names."""
+        from jaxmem.policy import KEEP_GATHERED, PRESET_HELP
+
+        shown = [] if self.best is None else [self.best, *[c for c in self.ranked if c is not self.best][:top]]
+        shown += [c for c in self.ranked if c.pipe == 1 and c.fsdp > 1][:1]
+        lines = [
+            "legend: P pipeline ranks, V stages per rank, D data-parallel replicas, F FSDP shards, T tensor width,",
+            "  M microbatches a step (P x D x F x T devices); the policies named above:",
+        ]
+        for name in dict.fromkeys(c.policy_name for c in shown):
+            base, kept = name.removesuffix(KEEP_GATHERED), name.endswith(KEEP_GATHERED)
+            gathered = "; FSDP's gathered weights kept from F to B instead of gathered again" if kept else ""
+            if base in PRESET_HELP:
+                lines.append(f"  {name}: {PRESET_HELP[base]}{gathered}")
+            elif name in CHRONOS_MOVES:
+                moves = ", ".join(CHRONOS_MOVES[name])
+                lines.append(
+                    f"  {name}: generated for this layout under the budget, the fewest moves that fit ({moves})"
+                )
+            else:
+                lines.append(f"  {name}: a policy of its own (the plan's --json `policy` field spells it out)")
+        return lines
+
     def to_json(self) -> dict:
         return {
             "model": self.model,
@@ -181,6 +205,7 @@ class SearchResult:
             "smallest_budget_bytes": int(self.smallest_budget),
             "candidates": [c.to_json() for c in self.ranked],
             "explanation": self.explain(),
+            "legend": self.legend(),
         }
 
 
