@@ -88,9 +88,15 @@ def mismatch(shown: tuple[str, ...], output: str) -> str | None:
     return None
 
 
+def user_env() -> dict[str, str]:
+    """The environment a command runs in as a user runs it here: this process's, without ``XLA_FLAGS``
+    (the test suite sets its own, which change the numerics), on the CPU, tables 80 columns wide."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return env | {"JAX_PLATFORMS": "cpu", "COLUMNS": "80", "PYTHONUNBUFFERED": "1"}
+
+
 def run(example: Example, timeout: float) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it (the suite sets its own)
-    env |= {"JAX_PLATFORMS": "cpu", "COLUMNS": "80", "PYTHONUNBUFFERED": "1"}
+    env = user_env()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as cwd:
         try:

@@ -1,10 +1,14 @@
 """The text a user reads: the README and every page of the docs site (docs/**/*.md), in one place for
 the tests that check what those pages say against the code and the records."""
 
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
-PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
+sys.path.insert(0, str(Path(__file__).parent.parent / "docs"))
+
+import check_examples as examples  # noqa: E402  (docs/check_examples.py, the console examples' check)
+
+PAGES, ROOT = examples.PAGES, examples.ROOT  # the pages a user reads, as the examples check reads them
 
 
 def read_pages() -> dict[Path, str]:

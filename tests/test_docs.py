@@ -2,28 +2,15 @@
 API name that is gone fails it), the README stays one sitting, the quick start prints the losses the
 pages show, and a console example whose command prints something else fails the examples check."""
 
-import importlib.util
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-from docs_text import ROOT
+from docs_text import ROOT, examples
 
 # As a user runs them: without the suite's own XLA flags (tests/conftest.py), which change the numerics.
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu", "NO_MKDOCS_2_WARNING": "1"}
-
-
-def _module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-examples = _module("jaxmem_docs_check_examples", ROOT / "docs" / "check_examples.py")
+ENV = examples.user_env() | {"NO_MKDOCS_2_WARNING": "1"}
 
 
 def test_the_site_builds_with_strict(tmp_path):
