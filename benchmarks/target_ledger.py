@@ -13,10 +13,12 @@ buffers; a GPU's arguments + temporaries + outputs less aliases; ``jaxmem.memory
 
 The configurations: the built-in tiny GPT and Llama and the four decoder families of
 ``tests/families.py`` (8 layers, d_model 32-64) at batch 16 x 64, and gpt2-small at batch 16 x 512,
-all bf16 compute over float32 master weights, 1F1B P=4 M=8. An H100 compiled for here has no host
-memory kinds: the policies that keep weights or optimizer state on host between steps are refused
-there (the row says so). The error is ``predicted / compiled - 1`` of the device bytes; the host
-columns compare the ledger's host bytes with ``memory_analysis()``'s host fields.
+all bf16 compute over float32 master weights, 1F1B P=4 M=8; and on request (``--models llama-8b/4``,
+``llama-8b/2``) stages at llama-8b's real size, one layer a stage at seq 4096 (P=4 M=8, P=2 M=4). An
+H100 compiled for here has no host memory kinds: the policies that keep weights or optimizer state
+on host between steps are refused there (the row says so), and a TPU's compiler refuses a step beyond
+its chip's HBM (the row quotes it). The error is ``predicted / compiled - 1`` of the device bytes; the
+host columns compare the ledger's host bytes with ``memory_analysis()``'s host fields.
 """
 
 from __future__ import annotations
@@ -32,18 +34,30 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 TARGETS = ("tpu-v5e:4", "h100:4")
 MODELS = ("tiny", "llama-tiny", "gpt2-small", "mqa", "wide", "moe", "parallel")
 POLICIES = ("save-all", "selective", "recompute-all", "offload-stash", "offload-weights", "offload-optimizer-state")
-SHAPES = {"gpt2-small": (16, 512)}  # (batch, seq); the rest at 16 x 64
+SHAPES = {"gpt2-small": (16, 512), "llama-8b/4": (8, 4096), "llama-8b/2": (4, 4096)}  # (batch, seq); else 16 x 64
+PIPE = {"llama-8b/2": 2}  # pipeline ranks; else 4 (and 8 microbatches)
+# llama-8b/L: llama-8b's own width, vocabulary and sequence (d_model 4096, 128k tokens, seq 4096), L of its
+# 32 layers: one a stage, a sequence a microbatch. On four ranks its save-all stash arena (3.3 billion
+# elements on the first) is beyond the executor's int32 indexing; on two (two microbatches in flight,
+# four a step) it is 1.6 billion.
 
 
 def build_model(name: str):
-    """A family of ``tests/families.py`` as a model, or a built-in preset's name (its dtype set by the config)."""
+    """A family of ``tests/families.py`` as a model, a built-in preset's name (its dtype set by the
+    config), or ``PRESET/LAYERS``: that preset with so many layers."""
     from families import FAMILIES as OUTSIDE
     from families import family
 
+    from jaxmem.models import get_model
+
+    if "/" in name:
+        preset, layers = name.split("/")
+        return get_model(preset, n_layers=int(layers), dtype="bfloat16")
     return family(name) if name in OUTSIDE else name
 
 
@@ -60,8 +74,8 @@ def row(target: str, name: str, policy: str) -> dict:
         config = TrainConfig(
             model=build_model(name),
             dtype="bfloat16" if name in ("tiny", "llama-tiny", "gpt2-small") else None,
-            pipe=4,
-            microbatches=8,
+            pipe=PIPE.get(name, 4),
+            microbatches=2 * PIPE.get(name, 4),
             batch_size=batch,
             seq_len=seq,
             policy=policy,
@@ -70,11 +84,17 @@ def row(target: str, name: str, policy: str) -> dict:
             steps=1,
         )
         trainer = Trainer(config)
-    except JaxmemError as e:
-        out["refused"] = str(e).split(":")[0] + ": " + str(e).split(": ", 1)[-1][:200]
+        compiled = trainer.measure_memory()
+    except JaxmemError as e:  # a policy the target cannot hold, or a step the executor cannot index
+        out["refused"] = str(e)[:400]
         print(f"  {target:10s} {name:11s} {policy:24s} refused: {str(e)[:120]}", file=sys.stderr, flush=True)
         return out
-    compiled = trainer.measure_memory()
+    except Exception as e:  # noqa: BLE001 -- a TPU's compiler refuses a step beyond its HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        out["refused"] = "the target's compiler: " + str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0][:300]
+        print(f"  {target:10s} {name:11s} {policy:24s} {out['refused']}", file=sys.stderr, flush=True)
+        return out
     predicted = predict(trainer.model, trainer.schedule, config.policy, batch=batch, seq=seq, target=target)
     report = compare(predicted, compiled)
     first = report["ranks"][0]
@@ -128,6 +148,12 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument(
+        "--update",
+        metavar="RECORD",
+        help="rerun only the rows asked for and put them in place of the same rows of RECORD, keeping the "
+        "rest; the record lists every command that wrote a row of it (write it back with --out RECORD)",
+    )
     args = parser.parse_args()
     rows = []
     for target in args.targets.split(","):
@@ -136,20 +162,27 @@ def main() -> None:
                 rows.append(row(target, name, policy))
     import jax
 
+    command = "python benchmarks/target_ledger.py " + " ".join(sys.argv[1:])
+    commands = [command]
+    if args.update:
+        with open(args.update) as f:
+            old = json.load(f)
+        fresh = {(r["target"], r["model"], r["policy"]): r for r in rows}
+        kept = [r for r in old["rows"] if (r["target"], r["model"], r["policy"]) not in fresh]
+        rows = [fresh.pop((r["target"], r["model"], r["policy"]), r) for r in old["rows"]] + list(fresh.values())
+        if kept:  # the rows not rerun keep the commands that wrote them
+            commands = old.get("commands", [old["command"]]) + commands
     record = {
         "benchmark": "target_ledger",
         "jax": jax.__version__,
-        "command": "python benchmarks/target_ledger.py " + " ".join(sys.argv[1:]),
+        "command": command,
+        "commands": commands,
         "rows": rows,
         "summary": summary(rows),
     }
-    text = json.dumps(record, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
+    from plan_ranking import write_record
+
+    if not write_record(record, args.out, args.json):
         for target, s in record["summary"]["per_target"].items():
             print(
                 f"{target}: {s['within_band']}/{s['rows']} within -5%..+10%, worst {s['worst_under']:+.1%} / "

@@ -12,6 +12,7 @@ planner, :func:`jaxmem.search.search`), ``AdaptiveProfiler``, ``choose_recovery`
 __version__ = "0.1.0"
 
 from jaxmem._errors import JaxmemError as JaxmemError
+from jaxmem._errors import StepTooLarge as StepTooLarge
 from jaxmem.schedule import Action as Action
 from jaxmem.schedule import Costs as Costs
 from jaxmem.schedule import Schedule as Schedule

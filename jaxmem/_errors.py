@@ -6,11 +6,33 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-__all__ = ["JaxmemError", "first_line", "setting", "settings_phrased_by"]
+__all__ = ["JaxmemError", "StepTooLarge", "first_line", "out_of_memory_bytes", "setting", "settings_phrased_by"]
 
 
 class JaxmemError(ValueError):
     """Bad input to jaxmem: the message says what is wrong and how to fix it."""
+
+
+class StepTooLarge(JaxmemError):
+    """A program the target's compiler refused to build for being beyond its chip's memory (a TPU's
+    does); ``needed_bytes``: the temporaries it said the program needs."""
+
+    def __init__(self, message: str, needed_bytes: float):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+
+
+def out_of_memory_bytes(error: BaseException) -> float | None:
+    """The bytes of temporaries a TPU's compiler says a program needs when it refuses it for being
+    beyond the chip's HBM ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required
+    for HLO temporaries (23.11G) exceeds available HBM (15.75G)", binary units); None for any other
+    error."""
+    import re
+
+    found = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT])\)", str(error))
+    if "RESOURCE_EXHAUSTED" not in str(error) or found is None:
+        return None
+    return float(found.group(1)) * 1024 ** ("KMGT".index(found.group(2)) + 1)
 
 
 def first_line(e: BaseException) -> str:

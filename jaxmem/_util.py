@@ -374,6 +374,25 @@ def _tpu_device_peak(compiled, analysis) -> int | None:
     return int(max(0, peak - host))
 
 
+def compiled_flops(compiled) -> float:
+    """FLOPs of a compiled program as its compiler counts them in the optimised program: its own
+    ``cost_analysis()`` where it gives one (CPU, TPU); where it gives none (a GPU compiled for with no
+    GPU present) XLA's HLO cost analysis of the optimised modules, run by this process's CPU client
+    (``jax._src.lib.xla_client``: no public API does it). A custom kernel (cuDNN's attention) counts
+    no FLOPs there."""
+    import jax
+
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    if cost and "flops" in cost:
+        return float(cost["flops"])
+    from jax._src.lib import xla_client
+
+    client = jax.devices("cpu")[0].client
+    modules = compiled.runtime_executable().hlo_modules()
+    return float(sum(xla_client._xla.hlo_module_cost_analysis(client, m).get("flops", 0.0) for m in modules))
+
+
 def compiled_bytes(compiled) -> int:
     """Device bytes of a compiled program, as its target's compiler counts them (the ledger's, the
     profiler's and ROAM's one figure): on TPU ``memory_analysis()``'s ``peak_memory_in_bytes`` less

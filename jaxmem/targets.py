@@ -25,6 +25,13 @@ What a compile-only target cannot tell:
   chip's HBM (its out-of-memory error quotes that figure), and ``temp_size_in_bytes`` leaves out
   temporaries it keeps elsewhere; on GPU and CPU the arguments, temporaries and outputs less what
   outputs alias are the buffers the program allocates (:func:`jaxmem.memory.compiled_bytes`).
+- A TPU program that holds host buffers (an offloaded stash) has no device-only peak in
+  ``memory_analysis()``, and its peak less its host buffers can be under the device's bytes: a
+  loop writing 64 MiB into a host arena and reading it back, with 20 MiB of device arguments and a
+  few MiB of device temporaries, peaks at 84 MiB (arguments + host arena; its buffer assignment
+  allocates 24.2 MiB in HBM), one with an 8 MiB arena at 48 (its device side). So jaxmem's compiled
+  figure for such a TPU program is a lower bound; where the stash is small beside the rest (the tiny
+  GPT) the buffer assignment shows the offloaded step allocating no less HBM than the kept one.
 """
 
 from __future__ import annotations

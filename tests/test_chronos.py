@@ -565,3 +565,16 @@ def test_the_margin_keeps_a_fraction_of_the_budget_free_where_nothing_is_compile
     # confirm: none of the fastest compiles under the budget -> a clear error, not a pick.
     with pytest.raises(SearchError, match="fits it when compiled"):
         confirm(plain, lambda c: 13 * 2**20, log=lambda line: None)
+    # A pick its target's compiler refuses to build (beyond the chip's memory, a TPU's error) is passed
+    # over as not fitting, with the bytes the compiler said it needs, and the next one is compiled.
+    from jaxmem import StepTooLarge
+
+    first = next(c for c in plain.ranked if c.fits)
+
+    def refusing(c):
+        if c is first:
+            raise StepTooLarge("the step does not fit TPU v5 lite", 20 * 2**30)
+        return 5 * 2**20
+
+    confirmed = confirm(plain, refusing, log=lambda line: None)
+    assert confirmed.best is not first and confirmed.confirmed["rejected"][0]["compiled_bytes"] == 20 * 2**30

@@ -2,6 +2,7 @@
 time costs on hardware profiles, and :func:`estimate`, the prediction every planner shares."""
 
 from jaxmem._util import compiled_bytes as compiled_bytes
+from jaxmem._util import compiled_flops as compiled_flops
 from jaxmem.memory._cost import CPU_LOCKSTEP as CPU_LOCKSTEP
 from jaxmem.memory._cost import CPU_LOCKSTEP_PROCESSES as CPU_LOCKSTEP_PROCESSES
 from jaxmem.memory._cost import HARDWARE as HARDWARE

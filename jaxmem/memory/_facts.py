@@ -893,7 +893,7 @@ class ModelFacts:
             else:
                 lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
             options = _working_options(self.platform)
-            temps = [float(compiled_temp_bytes(part.compile(options))) for part in lowered]
+            temps = [_temporaries(part, options) for part in lowered]
             cache[key] = max(temps) / mb
         return cache[key]
 
@@ -1018,6 +1018,33 @@ class ModelFacts:
             cache[key] = forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
         return cache[key]
 
+    def compiled_flops(self, *, first, last, layers, policy, seq, families=None) -> tuple[float, float]:
+        """Per sequence, the FLOPs of one stage's forward and of its backward (its recompute included)
+        as the facts' target's compiler counts them in the programs it builds for the target's
+        devices (:func:`jaxmem._util.compiled_flops`; the devices at hand without a target): the
+        figure the time model's :meth:`stage` FLOPs -- a closed form, or ``cost_analysis()`` of the
+        lowered, unoptimised stage -- are checked against (``benchmarks/target_flops.py``). Compiles
+        two programs; nothing is kept. Not for a policy that recomputes layers apart (its parts are
+        priced one by one)."""
+        import jax
+        from jax.extend.core import jaxpr_as_fun
+
+        from jaxmem._errors import JaxmemError
+        from jaxmem._util import compiled_flops
+
+        if policy.recompute_layers:
+            raise JaxmemError("compiled_flops takes a policy without recompute_layers: price the parts apart")
+        fams = self._fams(layers, families)
+        plan, stage, x = self._traced_plan(first, last, fams, policy, seq)
+        shared, batch = self._stage_shared(False), self.batch(1, seq)
+        mesh = jax.sharding.Mesh(np.array(self._devices(1)[:1]), ("tensor",))
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        flat = jax.tree.leaves((stage, shared, x, batch))
+        placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole) for a in flat]
+        forward = jax.jit(jaxpr_as_fun(plan.closed)).lower(*placed).compile()
+        backward = _lower_pullback(plan, stage, shared, x, batch, mesh=mesh).compile()
+        return compiled_flops(forward), compiled_flops(backward)
+
 
 def _mixed(parts) -> dict:
     """``sum(weight * elems)`` of ``[(elems dict, weight), ...]``, zeros dropped."""
@@ -1116,6 +1143,21 @@ def _lower_split(plan, stage, shared, x, batch, input_grad: bool, hand_recompute
         return split.weight_grads(args, split.take_over(arenas, base))
 
     return [jax.jit(i_part, donate_argnums=1).lower(args, arenas), jax.jit(w_part).lower(args, arenas)]
+
+
+def _temporaries(lowered, options) -> float:
+    """A pullback's temporaries as its target's compiler counts them (:func:`compiled_temp_bytes`). A
+    TPU's compiler refuses a program beyond the chip's HBM (llama-8b's stage backward at 2 x 4096 on
+    a v5e) and says in its error how many bytes of temporaries it needed, the figure taken then."""
+    from jaxmem._errors import out_of_memory_bytes
+
+    try:
+        return float(compiled_temp_bytes(lowered.compile(options)))
+    except Exception as e:  # noqa: BLE001 -- jax raises its runtime error type for it
+        needed = out_of_memory_bytes(e)
+        if needed is None:
+            raise
+        return needed
 
 
 def _cost_flops(lowered) -> float:

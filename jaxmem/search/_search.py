@@ -14,7 +14,7 @@ import functools
 import math
 from collections.abc import Callable
 
-from jaxmem._errors import JaxmemError, setting
+from jaxmem._errors import JaxmemError, StepTooLarge, setting
 from jaxmem._util import human_bytes
 
 __all__ = [
@@ -695,7 +695,10 @@ def confirm(
         return result
     rejected, over = [], {}
     for c in fitting:
-        compiled = float(compiled_bytes(c))
+        try:
+            compiled = float(compiled_bytes(c))
+        except StepTooLarge as e:  # the target's compiler refused it: beyond the chip's memory
+            compiled = max(e.needed_bytes, result.budget_bytes + 1)
         if compiled <= result.budget_bytes:
             where = "here" if result.target == "cpu" else f"for {result.target}"
             what = f"compiled {where}: {human_bytes(compiled)}/device, within the budget"

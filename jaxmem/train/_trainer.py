@@ -13,7 +13,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmem._errors import JaxmemError, setting
+from jaxmem._errors import JaxmemError, StepTooLarge, out_of_memory_bytes, setting
 from jaxmem.config import GENERATED_POLICIES, OptimizerSpec, TrainConfig
 from jaxmem.data import (
     ORDER,
@@ -402,7 +402,23 @@ class Trainer:
         here, :mod:`jaxmem.targets`)."""
         if self._compiled is None:
             params, opt_state = self.abstract_state()
-            self._compiled = self.step_fn.lower(params, opt_state, self.step_spec()).compile()
+            lowered = self.step_fn.lower(params, opt_state, self.step_spec())
+            try:
+                self._compiled = lowered.compile()
+            except Exception as e:  # noqa: BLE001 -- jax raises its runtime error type for it
+                needed = out_of_memory_bytes(e)
+                if needed is None:
+                    raise
+                # A TPU's compiler refuses a program beyond the chip's memory (XLA's words kept).
+                reason = str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0]
+                device = self.mesh.devices.flat[0]
+                raise StepTooLarge(
+                    f"the step does not fit {getattr(device, 'device_kind', device.platform)}: its compiler says "
+                    f"{reason!r}. Plan under the chip's memory (jaxmem plan --budget ... --target ...), or use a "
+                    "recompute or offload policy, more pipeline stages or smaller microbatches, or a chip with "
+                    "more memory",
+                    needed,
+                ) from None
         return self._compiled
 
     @property
