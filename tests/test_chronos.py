@@ -576,5 +576,7 @@ def test_the_margin_keeps_a_fraction_of_the_budget_free_where_nothing_is_compile
             raise StepTooLarge("the step does not fit TPU v5 lite", 20 * 2**30)
         return 5 * 2**20
 
-    confirmed = confirm(plain, refusing, log=lambda line: None)
+    lines = []
+    confirmed = confirm(plain, refusing, log=lines.append)
     assert confirmed.best is not first and confirmed.confirmed["rejected"][0]["compiled_bytes"] == 20 * 2**30
+    assert "does not compile for" in lines[0] and "trying the next" in lines[0]

@@ -695,10 +695,11 @@ def confirm(
         return result
     rejected, over = [], {}
     for c in fitting:
+        refused = None
         try:
             compiled = float(compiled_bytes(c))
         except StepTooLarge as e:  # the target's compiler refused it: beyond the chip's memory
-            compiled = max(e.needed_bytes, result.budget_bytes + 1)
+            refused, compiled = e, max(e.needed_bytes, result.budget_bytes + 1)
         if compiled <= result.budget_bytes:
             where = "here" if result.target == "cpu" else f"for {result.target}"
             what = f"compiled {where}: {human_bytes(compiled)}/device, within the budget"
@@ -715,10 +716,14 @@ def confirm(
             )
         rejected.append({**c.to_json(), "compiled_bytes": int(compiled)})
         over[id(c)] = dataclasses.replace(c, device_bytes=compiled, fits=False, note=f"{c.note} (compiled)".strip())
+        outcome = (
+            f"compiles to {human_bytes(compiled)} > the budget {human_bytes(result.budget_bytes)}"
+            if refused is None
+            else f"does not compile for {result.target}, beyond its chip's memory ({refused})"
+        )
         log(
             f"plan: {c.schedule} P={c.pipe} D={c.data} M={c.microbatches} {c.policy_name} was predicted at "
-            f"{human_bytes(c.device_bytes)} but compiles to {human_bytes(compiled)} > the budget "
-            f"{human_bytes(result.budget_bytes)}; trying the next"
+            f"{human_bytes(c.device_bytes)} but {outcome}; trying the next"
         )
     raise SearchError(
         f"none of the {len(fitting)} fastest plans predicted to fit {human_bytes(result.budget_bytes)} per device "
