@@ -34,6 +34,7 @@ _INTEGER_FIELDS = {
     "microbatches": 1,
     "data_parallel": 1,
     "fsdp": 1,
+    "context": 1,
     "tensor": 1,
     "steps": 1,
     "seq_len": 1,
@@ -55,7 +56,8 @@ _OPTIONAL_FIELDS = ("devices", "vocab_size", "restore_step")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshSpec:
     """A run's device mesh by axis: ``data`` replicas holding whole parameters, ``fsdp`` replicas
-    holding a shard of each, ``pipe`` ranks, ``tensor`` devices cutting each microbatch's matmuls.
+    holding a shard of each, ``pipe`` ranks, ``context`` devices holding part of every sequence
+    (shown only when more than 1), ``tensor`` devices cutting each microbatch's matmuls.
     Its text is what ``--mesh`` and :func:`parse_mesh` take.
 
     >>> mesh = MeshSpec(data=2, pipe=4); str(mesh), mesh.devices
@@ -66,10 +68,11 @@ class MeshSpec:
     fsdp: int = 1
     pipe: int = 4
     tensor: int = 1
+    context: int = 1
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.pipe * self.tensor
+        return self.data * self.fsdp * self.pipe * self.context * self.tensor
 
     @property
     def replicas(self) -> int:
@@ -77,7 +80,8 @@ class MeshSpec:
         return self.data * self.fsdp
 
     def __str__(self) -> str:
-        return f"data={self.data},fsdp={self.fsdp},pipe={self.pipe},tensor={self.tensor}"
+        context = f",context={self.context}" if self.context > 1 else ""
+        return f"data={self.data},fsdp={self.fsdp},pipe={self.pipe}{context},tensor={self.tensor}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,6 +148,11 @@ class TrainConfig:
             devices used = D x F x P x T, and the batch is split over D x F replicas.
         tensor: devices T computing each microbatch together, cutting the dimensions the model's
             ``nnx.with_partitioning`` annotations name (tensor parallelism, left to XLA's partitioner).
+        context: devices C holding part of every sequence (context parallelism, for long
+            sequences): each holds two of its 2C chunks and gathers the others' keys and values for
+            attention (:mod:`jaxmem.models._context`); devices used = D x F x P x C x T. The model's
+            attention must be context-aware (the built-in ones are), and the sequence length a
+            multiple of 2C. ``plan="auto"`` searches it for long sequences; not with ``adaptive``.
         zero: shard the optimizer state and the step's gradients over the replicas (ZeRO-1/2; the
             default; no effect with one replica).
         vocab_split: split the token embedding and the head over the pipe ranks by vocabulary rows
@@ -238,6 +247,7 @@ class TrainConfig:
     data_parallel: int = 1
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1
     zero: bool = True
     vocab_split: bool = True
     split_backward: bool = False
@@ -369,6 +379,11 @@ class TrainConfig:
                 f"{_s('plan', 'auto')} needs {_s('budget')} (device memory per device, e.g. "
                 f"{_s('budget', '12MiB')} or {_s('budget', '24GiB')})"
             )
+        if self.context > 1 and self.adaptive:
+            raise JaxmemError(
+                f"the online profiler ({_s('adaptive')}) does not run a context axis yet: drop "
+                f"{_s('context', self.context)} or {_s('adaptive')}"
+            )
         if self.margin is not None and (self.plan != "auto" or not 0 <= self.margin < 1):
             raise JaxmemError(
                 f"{_s('margin', self.margin)} is a fraction of the budget in [0, 1) that {_s('plan', 'auto')} keeps "
@@ -475,7 +490,9 @@ class TrainConfig:
     @property
     def mesh(self) -> MeshSpec:
         """The run's mesh (``data_parallel``, ``fsdp``, ``pipe``, ``tensor``)."""
-        return MeshSpec(data=self.data_parallel, fsdp=self.fsdp, pipe=self.pipe, tensor=self.tensor)
+        return MeshSpec(
+            data=self.data_parallel, fsdp=self.fsdp, pipe=self.pipe, tensor=self.tensor, context=self.context
+        )
 
     @property
     def optimizer(self) -> OptimizerSpec:
@@ -489,7 +506,7 @@ class TrainConfig:
 
     @property
     def num_devices(self) -> int:
-        """Devices the run's mesh takes: data-parallel x fsdp x pipe x tensor."""
+        """Devices the run's mesh takes: data-parallel x fsdp x pipe x context x tensor."""
         return self.mesh.devices
 
     @property
@@ -561,6 +578,7 @@ class TrainConfig:
             data=self.data_parallel,
             fsdp=self.fsdp,
             tensor=self.tensor,
+            context=self.context,
             zero=self.zero,
             vocab_parallel=self.vocab_parallel,
             layer_counts=self.layers_per_stage,
@@ -607,15 +625,15 @@ class TrainConfig:
 
 
 # The mesh's axis names and the settings they are.
-MESH_FIELDS = {"data": "data_parallel", "fsdp": "fsdp", "pipe": "pipe", "tensor": "tensor"}
+MESH_FIELDS = {"data": "data_parallel", "fsdp": "fsdp", "pipe": "pipe", "context": "context", "tensor": "tensor"}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``data=2,fsdp=2,pipe=2`` -> ``{"data": 2, "fsdp": 2, "pipe": 2, "tensor": 1}`` (axes left out
-    are 1).
+    """``data=2,fsdp=2,pipe=2`` -> ``{"data": 2, "fsdp": 2, "pipe": 2, "context": 1, "tensor": 1}``
+    (axes left out are 1).
 
     >>> parse_mesh("pipe=4,data=2")
-    {'data': 2, 'fsdp': 1, 'pipe': 4, 'tensor': 1}
+    {'data': 2, 'fsdp': 1, 'pipe': 4, 'context': 1, 'tensor': 1}
     """
     sizes = dict.fromkeys(MESH_FIELDS, 1)
     seen = set()

@@ -139,6 +139,7 @@ def verify(
     data_parallel: int = 1,
     fsdp: int = 1,
     tensor: int = 1,
+    context: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
     policy=None,
@@ -161,6 +162,8 @@ def verify(
         data_parallel: replicas holding whole parameters.
         fsdp: replicas holding a shard of each parameter (FSDP).
         tensor: devices cutting the dimensions the model's annotations name (tensor parallelism).
+        context: devices holding part of every sequence (context parallelism); ``seq_len`` must be a
+            multiple of ``2 * context``.
         zero: shard the optimizer state and the returned gradients over the replicas.
         vocab_parallel: split the vocabulary tables over the pipe ranks (default: where the model
             declares them and there are several ranks).
@@ -182,7 +185,7 @@ def verify(
     if model is None or isinstance(model, str):
         model = verification_model(schedule.num_stages, model or "tiny")
     model = get_model(model)
-    mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp, tensor=tensor)  # refuses too few devices
+    mesh = make_mesh(data_parallel, schedule.num_ranks, fsdp=fsdp, context=context, tensor=tensor)  # refuses too few
     model.check_batch(seq_len)
     drop_layers = frozenset(drop_layers)
     pipe = Pipeline(
@@ -269,6 +272,7 @@ def verify(
         "data_parallel": data_parallel,
         "fsdp": fsdp,
         "tensor": tensor,
+        "context": context,
         "zero": zero and replicas > 1,
         "layers": model.n_layers,
         "drop_layers": sorted(drop_layers),

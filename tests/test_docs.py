@@ -73,8 +73,11 @@ def test_the_quick_start_prints_the_losses_its_pages_show():
     out = done.stdout.replace("\r", "\n")
     printed = dict(re.findall(r"^step (\d+)/30\s+loss (\d\.\d+)", out, flags=re.M))
     assert re.search(rf"loss {re.escape(shown[0][1])} ->", out), out[-500:]
+    # To the last printed digit: the same commit printed 3.193 at step 30 on 2026-11-28 and 3.192 on
+    # 2026-11-29 on this machine (a loss of about 3.1925; XLA:CPU's float sums differ by the machine).
     for losses, _ in shown:
-        assert losses.items() <= printed.items(), (losses, printed)
+        assert losses.keys() <= printed.keys(), (losses, printed)
+        assert all(abs(float(v) - float(printed[k])) <= 0.0011 for k, v in losses.items()), (losses, printed)
 
 
 def test_the_examples_check_matches_in_order_with_elisions():

@@ -160,7 +160,7 @@ def test_bad_annotations_and_meshes_are_refused_clearly():
         from_nnx(Bad, layers="blocks", embed=lambda m, b: m.embed(b["tokens"]), head_loss=None, tags=())
     with pytest.raises(JaxmemError, match="tensor"):
         parse_mesh("data=2,tensr=2")
-    assert parse_mesh("pipe=2,tensor=2") == {"data": 1, "fsdp": 1, "pipe": 2, "tensor": 2}
+    assert parse_mesh("pipe=2,tensor=2") == {"data": 1, "fsdp": 1, "pipe": 2, "context": 1, "tensor": 2}
     with pytest.raises(JaxmemError, match=r"tensor\(4\) = 32 devices"):
         make_mesh(2, 4, tensor=4)
 

@@ -88,6 +88,13 @@ def add_mesh_arguments(p) -> None:
         "--fsdp", type=positive_int, help="data-parallel replicas sharding every parameter (FSDP; default 1)"
     )
     p.add_argument(
+        "--context",
+        type=positive_int,
+        help="devices holding part of every sequence (context parallelism for long sequences: two of its "
+        "2 x context chunks each, attention gathering the others' keys and values; the sequence length must be "
+        "a multiple of 2 x context; default 1)",
+    )
+    p.add_argument(
         "--tensor",
         type=positive_int,
         help="devices computing each microbatch together, cutting the dimensions the model's annotations "
@@ -96,7 +103,7 @@ def add_mesh_arguments(p) -> None:
     p.add_argument(
         "--mesh",
         metavar="AXES",
-        help="e.g. data=2,fsdp=2,pipe=2,tensor=2 (sets --data-parallel, --fsdp, --pipe, --tensor)",
+        help="e.g. data=2,fsdp=2,pipe=2,context=2,tensor=2 (sets --data-parallel, --fsdp, --pipe, --context, --tensor)",
     )
     p.add_argument(
         "--no-zero",
@@ -136,6 +143,7 @@ def resolve_mesh(args, pipe: int = 4) -> None:
     args.data_parallel = args.data_parallel or 1
     args.fsdp = args.fsdp or 1
     args.tensor = args.tensor or 1
+    args.context = getattr(args, "context", None) or 1
     args.pipe = args.pipe or pipe
 
 

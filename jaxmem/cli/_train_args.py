@@ -88,6 +88,13 @@ def add_arguments(p) -> None:
         help="data-parallel replicas F that shard every parameter and gather it per use (FSDP; default 1)",
     )
     g.add_argument(
+        "--context",
+        type=int,
+        help="devices holding part of every sequence (context parallelism for long sequences: two of its "
+        "2 x context chunks each, attention gathering the others' keys and values; the sequence length must be "
+        "a multiple of 2 x context; not with --adaptive; default 1)",
+    )
+    g.add_argument(
         "--tensor",
         type=int,
         help="devices T that compute each microbatch together, cutting the dimensions the model's "
@@ -96,8 +103,8 @@ def add_arguments(p) -> None:
     g.add_argument(
         "--mesh",
         metavar="AXES",
-        help="the mesh in one flag, e.g. data=2,fsdp=2,pipe=2,tensor=2 (sets --data-parallel, --fsdp, --pipe "
-        "and --tensor)",
+        help="the mesh in one flag, e.g. data=2,fsdp=2,pipe=2,context=2,tensor=2 (sets --data-parallel, --fsdp, "
+        "--pipe, --context and --tensor)",
     )
     g.add_argument(
         "--no-zero",
@@ -233,6 +240,7 @@ _PLANNED = (
     "pipe",
     "data_parallel",
     "fsdp",
+    "context",
     "tensor",
     "microbatches",
     "virtual",

@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--mesh",
         metavar="AXES",
-        help="plan this mesh only, e.g. data=2,pipe=4,tensor=2 (its product is the devices); "
+        help="plan this mesh only, e.g. data=2,pipe=4,context=2,tensor=2 (its product is the devices); "
         "schedules, microbatches and policies are still searched",
     )
     p.add_argument("--budget", required=True, help="device memory per device, e.g. 24GiB, 512MiB, 8e9")
@@ -125,7 +125,7 @@ def make_plan(
     from jaxmem.targets import parse_target
 
     if mesh is not None:
-        product = mesh["data"] * mesh["fsdp"] * mesh["pipe"] * mesh["tensor"]
+        product = mesh["data"] * mesh["fsdp"] * mesh["pipe"] * mesh["context"] * mesh["tensor"]
         if devices is not None and devices != product:
             raise JaxmemError(
                 f"--mesh takes {product} devices but --devices is {devices}: drop --devices (the mesh says it)"
@@ -208,7 +208,12 @@ def _compiled_bytes(model, c, batch: int, seq: int, devices: int, target=None) -
     from jaxmem.train import Trainer, planned_config
 
     config = TrainConfig(
-        model=model, batch_size=batch, seq_len=seq, steps=1, target=None if target is None else str(target)
+        model=model,
+        batch_size=batch,
+        seq_len=seq,
+        steps=1,
+        target=None if target is None else str(target),
+        data="synthetic",  # compiled only: no data is read (a long sequence may outgrow the default corpus)
     )
     config = planned_config(config, c, devices)
     return compiled_bytes(Trainer(config).compile_abstract())
@@ -273,7 +278,7 @@ def train_command(
 
     from jaxmem.config import GENERATED_POLICIES
 
-    sizes = {"data": best.data, "fsdp": best.fsdp, "pipe": best.pipe, "tensor": best.tensor}
+    sizes = {"data": best.data, "fsdp": best.fsdp, "pipe": best.pipe, "context": best.context, "tensor": best.tensor}
     mesh = ",".join(f"{axis}={n}" for axis, n in sizes.items() if n > 1 or axis == "pipe")
     words = ["jaxmem", "train", "--model", args.model]
     for field, value in model_overrides(args).items():

@@ -110,7 +110,7 @@ def run(args) -> int:
         schedule = sch.generate(args.schedule or "1f1b", args.pipe, args.microbatches, args.virtual)
     check_split_backward(schedule, args.split_backward)
     drop = frozenset(parse_int_list(args.drop_layers, "drop_layers")) if args.drop_layers else frozenset()
-    setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks * args.tensor)
+    setup_devices(args.devices or args.data_parallel * args.fsdp * schedule.num_ranks * args.context * args.tensor)
     from jaxmem.verify import verification_model, verify
 
     model = verification_model(schedule.num_stages, args.model, **model_overrides(args))
@@ -121,6 +121,7 @@ def run(args) -> int:
         data_parallel=args.data_parallel,
         fsdp=args.fsdp,
         tensor=args.tensor,
+        context=args.context,
         zero=args.zero,
         vocab_parallel=None if args.vocab_split else False,
         policy=policy,
@@ -137,6 +138,7 @@ def run(args) -> int:
             f"{status}: {result['model']} ({result['dtype']}), {result['schedule']} (P={result['ranks']}, "
             f"stages={result['stages']}, M={result['microbatches']}, data={result['data_parallel']}"
             f"{', fsdp=' + str(result['fsdp']) if result['fsdp'] > 1 else ''}"
+            f"{', context=' + str(result['context']) if result['context'] > 1 else ''}"
             f"{', tensor=' + str(result['tensor']) if result['tensor'] > 1 else ''}): max |diff| "
             f"{result['max_abs_diff']:.2e}, max relative {result['max_rel_diff']:.2e}, loss "
             f"{result['loss']:.6f} vs {result['loss_plain']:.6f} [{result['tolerance']}]"

@@ -229,6 +229,11 @@ def choose_recovery(
     if hardware is None and cores and measured_step_seconds:
         # The measured step sets the scale (below): the nominal rate serves, and nothing compiles.
         hardware = dataclasses.replace(HARDWARE["cpu"], cores=cores, note="nominal, scaled by the measured step")
+    if config.context > 1:
+        raise JaxmemError(
+            f"recovery planning does not price a context axis yet (the job runs context={config.context}): "
+            "restart it on a layout of your own (jaxmem train --context ... --restore-step)"
+        )
     hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
     model = config.build_model()
     P, D, M = config.pipe, config.data_parallel, config.microbatches

@@ -317,6 +317,7 @@ def step_costs(
     data_parallel: int = 1,
     fsdp: int = 1,
     tensor: int = 1,
+    context: int = 1,
     master_cut: bool = False,
     families=None,
     split_backward: bool = False,
@@ -366,6 +367,13 @@ def step_costs(
     matmuls' input gradients; a backward gathers the whole part of its stashed item back from the
     tensor devices' shares (a cut residual stays each device's share; the executor's CutArena), and
     a split W the whole part of what its I handed it, kept cut the same way.
+
+    With ``context`` (``facts`` of that context axis, ``seq`` the tokens of a sequence each of its
+    devices holds): a stage's FLOPs are its device's queries against every key; every forward
+    all-gathers the keys and values its layers hand :func:`~jaxmem.models.context_kv` over the
+    context devices, every backward gathers them again (no policy keeps the gathered copy) and
+    reduce-scatters their gradients back (:meth:`~jaxmem.memory.ModelFacts.context_kv_bytes`). The
+    other axes' devices lie ``context * tensor`` further apart.
     """
     from jaxmem.memory._facts import model_facts
     from jaxmem.models import get_model
@@ -394,9 +402,10 @@ def step_costs(
         return facts.stage(**stage_shape(stage, policy))
 
     ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
+    inner = context * tensor  # pipe neighbours are this far apart in the device order
     message = facts.message_bytes(microbatch, seq)
     vocab_ticks = _vocab_ticks(schedule) if vocab else {}
-    one_sum = hardware.collective_seconds("all_reduce", message, ranks, tensor) if vocab else 0.0
+    one_sum = hardware.collective_seconds("all_reduce", message, ranks, inner) if vocab else 0.0
     head = facts.vocab_flops(microbatch, seq) / rate / ranks + 2 * one_sum if vocab else 0.0
     shared_bytes = facts.stage_shared_bytes(vocab)
     # What a stage's weights take on a device once gathered over fsdp (its tensor cut stays).
@@ -418,9 +427,9 @@ def step_costs(
         # (kept_gather_seconds), not per action.
         own = 0.0 if resolved.keep_gathered(stage) else units[stage] * layer_bytes
         whole = own + (shared_bytes if stage in (0, last) else 0.0)
-        seconds = hardware.collective_seconds("all_gather", whole * copy_ratio, fsdp, ranks * tensor)
+        seconds = hardware.collective_seconds("all_gather", whole * copy_ratio, fsdp, ranks * inner)
         if kind in ("B", "W"):
-            seconds += hardware.collective_seconds("reduce_scatter", whole, fsdp, ranks * tensor)
+            seconds += hardware.collective_seconds("reduce_scatter", whole, fsdp, ranks * inner)
         return seconds
 
     gathers = {(s, k): fsdp_seconds(s, k) for s in range(schedule.num_stages) for k in "FBIW"}
@@ -439,6 +448,16 @@ def step_costs(
             hardware.collective_seconds("all_gather", whole, tensor),
         )
 
+    def context_seconds(stage: int) -> float:
+        """Seconds of one all-gather of the stage's keys and values over the context devices (a
+        reduce-scatter of their gradients takes as long)."""
+        if context <= 1:
+            return 0.0
+        shape = stage_shape(stage, None)
+        local = facts.context_kv_bytes(shape["first"], shape["last"], shape["layers"], seq, shape["families"])
+        return hardware.collective_seconds("all_gather", context * local * microbatch, context, tensor)
+
+    gather_kv = [context_seconds(s) for s in range(schedule.num_stages)]
     plain = [stage_facts(s, save_all) for s in range(schedule.num_stages)]
     share = [tensor_terms(s, save_all)[0] for s in range(schedule.num_stages)]
     forward_seconds = [f.forward_flops * k / rate for f, k in zip(plain, share)]
@@ -467,12 +486,12 @@ def step_costs(
             f = stage_facts(stage, sp)
             k, sums, gather = tensor_terms(stage, sp)
             redo = f.recompute_flops / f.forward_flops if f.forward_flops else 0.0
-            back = (1 + redo) * sums + gather
+            back = (1 + redo) * sums + gather + 2 * gather_kv[stage]  # the keys and values again, their gradients back
             cache[key] = (
                 f.recompute_flops * k / rate,
                 f.stash_bytes("device"),
                 f.stash_bytes("host"),
-                sums,
+                sums + gather_kv[stage],
                 back,
                 handed_gather(stage, sp),
             )
@@ -526,7 +545,7 @@ def step_costs(
         f=1.0,
         i=1.0,
         w=1.0,
-        comm=hardware.collective_seconds("send", message, ranks, tensor) if ranks > 1 else 0.0,
+        comm=hardware.collective_seconds("send", message, ranks, inner) if ranks > 1 else 0.0,
         stage_weights=tuple(forward_seconds),
         extra=extra,
         activation_fn=lambda s, m: cell(s, m)[1] + cell(s, m)[2],
@@ -613,6 +632,7 @@ def gradient_sync_seconds(
     data_parallel: int = 1,
     fsdp: int = 1,
     tensor: int = 1,
+    context: int = 1,
     vocab: bool = False,
     master_cut: bool = False,
 ) -> float:
@@ -621,7 +641,9 @@ def gradient_sync_seconds(
     whole and an all-gather of the new values (an all-reduce's traffic; ZeRO or not); the shared
     leaves over every device, the vocabulary slices over the replicas. With ``master_cut`` the
     all-gather moves the compute copy (16-bit where the model casts) instead of the master weights.
-    Not overlapped with the backward: the executor reduces after its last tick."""
+    Not overlapped with the backward: the executor reduces after its last tick. A ``context`` axis's
+    devices hold the same parameters: they join every group (``facts`` of that axis cut the state
+    over it with ZeRO)."""
     hardware = get_hardware(hardware)
     ranks, virtual = schedule.num_ranks, schedule.num_stages // schedule.num_ranks
     static = facts.static_bytes(
@@ -644,16 +666,24 @@ def gradient_sync_seconds(
 
     stage_ratio = sum(static.stage_copy) / sum(static.stage_params) if sum(static.stage_params) else 1.0
     shared_ratio = static.shared_copy / static.shared_params if static.shared_params else 1.0
-    stride = fsdp * ranks * tensor  # the data axis's devices are fsdp x pipe x tensor apart
-    seconds = sync(sum(static.stage_params), stage_ratio, data_parallel, stride)
+    inner = context * tensor
+    # the data axis's devices are fsdp x pipe x context x tensor apart, a context axis's tensor apart
+    stride = fsdp * ranks * inner if data_parallel > 1 else tensor
+    seconds = sync(sum(static.stage_params), stage_ratio, data_parallel * context, stride)
     shared = facts.stage_shared_bytes(vocab) / fsdp
-    seconds += sync(shared, shared_ratio, data_parallel * ranks, fsdp * tensor)
+    seconds += sync(
+        shared, shared_ratio, data_parallel * ranks * context, fsdp * inner if data_parallel > 1 else tensor
+    )
     tables = static.shared_params - shared
-    seconds += sync(tables, shared_ratio, data_parallel * fsdp, ranks * tensor)
+    seconds += sync(
+        tables, shared_ratio, data_parallel * fsdp * context, ranks * inner if data_parallel * fsdp > 1 else tensor
+    )
     return seconds
 
 
-def kept_gather_seconds(facts, schedule: Schedule, resolved, layer_counts, hardware, *, fsdp, tensor, master_cut):
+def kept_gather_seconds(
+    facts, schedule: Schedule, resolved, layer_counts, hardware, *, fsdp, tensor, master_cut, context: int = 1
+):
     """Seconds per step of the stages an FSDP policy keeps gathered (``keep_gathered``): each rank
     gathers those stages' weights once (the 16-bit copy with ``master_cut``) and reduce-scatters their
     whole gradient once, the slowest rank's sum. Not overlapped with compute."""
@@ -671,8 +701,8 @@ def kept_gather_seconds(facts, schedule: Schedule, resolved, layer_counts, hardw
         for stage in schedule.stages_of(rank):
             if resolved.keep_gathered(stage):
                 n = units[stage]
-                seconds += hardware.collective_seconds("all_gather", n * copy, fsdp, ranks * tensor)
-                seconds += hardware.collective_seconds("reduce_scatter", n * layer, fsdp, ranks * tensor)
+                seconds += hardware.collective_seconds("all_gather", n * copy, fsdp, ranks * context * tensor)
+                seconds += hardware.collective_seconds("reduce_scatter", n * layer, fsdp, ranks * context * tensor)
         return seconds
 
     return max(rank_seconds(r) for r in range(ranks))
@@ -721,6 +751,7 @@ def estimate(
     data_parallel: int = 1,
     fsdp: int = 1,
     tensor: int = 1,
+    context: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
     layer_counts=None,
@@ -739,7 +770,9 @@ def estimate(
     it takes effect (a schedule with I and W: :func:`splits_backward`) the ledger
     holds the I->W cotangents and W costs half a backward, otherwise W runs the whole pullback again
     (:func:`step_costs`). ``hand_recomputed`` (with the split): I hands W the forward values it
-    recomputed too; the ledger holds them from I to W, and W recomputes nothing.
+    recomputed too; the ledger holds them from I to W, and W recomputes nothing. ``context``: devices
+    holding part of every sequence (:func:`predict` and :func:`step_costs` say how each prices it);
+    ``seq`` is the whole sequence.
 
     >>> from jaxmem.schedule import generate
     >>> e = estimate("tiny", generate("1f1b", 4, 8), "selective", batch=32, seq=64)
@@ -753,8 +786,14 @@ def estimate(
     from jaxmem.policy import resolve
 
     model = get_model(model)
-    facts = facts or model_facts(model)
+    facts = facts or model_facts(model, context=context)
     hardware = get_hardware(hardware)
+    local_seq = seq
+    if context > 1:
+        from jaxmem.models import context_order
+
+        context_order(seq, context)  # refuses a length that does not split into 2 x context chunks
+        local_seq = seq // context
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     resolved = resolve(policy, schedule, model.tags)  # once; the ledger and the costs share it
     ledger = None
@@ -768,6 +807,7 @@ def estimate(
             data_parallel=data_parallel,
             fsdp=fsdp,
             tensor=tensor,
+            context=context,
             zero=zero,
             vocab_parallel=vocab_parallel,
             layer_counts=counts,
@@ -796,13 +836,14 @@ def estimate(
         resolved,
         active,
         microbatch=mb,
-        seq=seq,
+        seq=local_seq,
         hardware=hardware,
         facts=facts,
         vocab=vocab,
         data_parallel=data_parallel,
         fsdp=fsdp,
         tensor=tensor,
+        context=context,
         master_cut=cut,
         families=facts.stage_families(counts, drop_layers) if facts.families is not None else None,
         split_backward=splits_backward(schedule, split_backward),
@@ -826,13 +867,13 @@ def estimate(
         compute = hardware.oversubscribed * shared_core_step_seconds(
             schedule,
             costs,
-            replicas * tensor,
+            replicas * tensor * context,
             hardware.cores,
             hardware.flops_per_second,
             hardware.lockstep,
             processes=hardware.processes,
             pooled=bool(hardware.processes)
-            and schedule.num_ranks * replicas * tensor < hardware.cores * hardware.processes,
+            and schedule.num_ranks * replicas * tensor * context < hardware.cores * hardware.processes,
         )
     sync = gradient_sync_seconds(
         facts,
@@ -842,10 +883,13 @@ def estimate(
         data_parallel=data_parallel,
         fsdp=fsdp,
         tensor=tensor,
+        context=context,
         vocab=vocab,
         master_cut=cut,
     )
-    sync += kept_gather_seconds(facts, schedule, resolved, counts, hardware, fsdp=fsdp, tensor=tensor, master_cut=cut)
+    sync += kept_gather_seconds(
+        facts, schedule, resolved, counts, hardware, fsdp=fsdp, tensor=tensor, master_cut=cut, context=context
+    )
     step = compute + transfers + sync
     return Estimate(ledger, costs, simulation, step, transfers, batch * seq / step, sync)
 

@@ -202,6 +202,23 @@ def _is_leaf_placement(x) -> bool:
     return isinstance(x, LeafPlacement)
 
 
+def _on_context(method):
+    """A method of :class:`ModelFacts` that traces the model: on a context axis, under its stand-in
+    (:func:`jaxmem.models._context.context_stand_in`), so that attention gathers the keys and values
+    of every device's part of each sequence."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        if self.context == 1:
+            return method(self, *args, **kwargs)
+        from jaxmem.models import context_stand_in
+
+        with context_stand_in(self.context):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 class ModelFacts:
     """Facts about one :class:`~jaxmem.models.StagedModel`, cached; see the module docstring.
 
@@ -212,7 +229,7 @@ class ModelFacts:
         platform: that target's platform (``cpu``, ``gpu``, ``tpu``).
     """
 
-    def __init__(self, model, *, analytic: bool = True, target=None):
+    def __init__(self, model, *, analytic: bool = True, target=None, context: int = 1):
         import jax
 
         from jaxmem._util import platform_of
@@ -226,7 +243,12 @@ class ModelFacts:
         self.platform = self.target.platform if self.target is not None else platform_of(jax.devices())
         # The GPT's closed form counts its stash in whole elements; a TPU lays a host stash out in whole
         # tiles (jaxmem.pipeline.stash_granule), which only the traced plan pads as the executor does.
-        closed_form = analytic and self.platform != "tpu"
+        # On a context axis (``context`` > 1) the facts are of one device's part of each sequence, with
+        # the keys and values of all of it gathered for attention: traced under a stand-in of the axis
+        # (jaxmem.models._context), at the local length the callers give; the closed form is of whole
+        # sequences.
+        self.context = context
+        closed_form = analytic and self.platform != "tpu" and context == 1
         self.gpt = model.analytic if closed_form and isinstance(model.analytic, GPTConfig) else None
         self.source = "analytic" if self.gpt is not None else "traced"
         abstract = model.abstract_params()
@@ -253,7 +275,9 @@ class ModelFacts:
 
         config = model.config
         builtin = isinstance(config, (GPTConfig, LlamaConfig))
-        depthless = (type(config), dataclasses.replace(config, n_layers=1), str(self.target)) if builtin else None
+        depthless = (
+            (type(config), dataclasses.replace(config, n_layers=1), str(self.target), context) if builtin else None
+        )
         self._stage_cache = self._cache if depthless is None else _DEPTHLESS.setdefault(depthless, {})
 
     # ------------------------------------------------------------------ the target
@@ -291,6 +315,7 @@ class ModelFacts:
         spec = batch_spec(microbatch, seq) if own is None else dict(own(microbatch, seq))
         return {**spec, "rng": RNG_SPEC} if self.model.rng else spec
 
+    @_on_context
     def message(self, microbatch: int, seq: int):
         """What one stage sends the next (abstract)."""
         import jax
@@ -364,7 +389,7 @@ class ModelFacts:
             if vocab:
                 shared, tables = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, ranks), self._shared)
             abstract = PipelineParams(stages=(stage,), shared=shared, vocab=tables)
-            sizes = {"data": data, "fsdp": fsdp, "pipe": ranks, "tensor": tensor}
+            sizes = {"data": data, "fsdp": fsdp, "pipe": ranks, "context": self.context, "tensor": tensor}
             axes = layout_axes(self.model, 1, vocab) if tensor > 1 else None
             if axes is not None and self.families is not None and isinstance(layers, int):
                 axes = PipelineParams(stages=(axes.stages[0][0],), shared=axes.shared, vocab=axes.vocab)
@@ -568,6 +593,7 @@ class ModelFacts:
         mixed = _mixed([(self._transfers(f, la, fams, p, seq, v, hand), 1) for f, la, fams, p, v in parts])
         return {key: int(round(n * microbatch)) for key, n in mixed.items()}
 
+    @_on_context
     def _transfers(self, first, last, fams, policy, seq, vocab=False, hand=False) -> dict:
         key = ("transfers", first, last, fams, policy, seq, vocab, hand)
         cache = self._stage_cache
@@ -660,6 +686,27 @@ class ModelFacts:
         )
         return traced_for(fn, platform or self.platform)  # fused attention is the target's kernel
 
+    def context_kv_bytes(self, first, last, layers, seq, families=None) -> float:
+        """Per sequence, the bytes of keys and values one forward of the stage hands
+        :func:`~jaxmem.models.context_kv` on one device of the facts' context axis (``seq``: the
+        device's tokens of it): what each all-gather of a forward takes in, and its backward's
+        reduce-scatter gives back. Traced once (nothing compiled); 0 without a context axis."""
+        if self.context == 1:
+            return 0.0
+        fams = self._fams(layers, families)
+        key = ("context_kv", first, last, fams, seq)
+        if key not in self._cache:
+            import jax
+
+            from jaxmem.models import context_stand_in, gathered_bytes
+
+            fn = self._stage_fn(first, last, fams, None, False)
+            args = (self._stage_params(fams), self._stage_shared(False), self.message(1, seq), self.batch(1, seq))
+            with context_stand_in(self.context):
+                jax.eval_shape(fn, *args)
+                self._cache[key] = float(gathered_bytes())
+        return self._cache[key]
+
     # ------------------------------------------------------------------ the vocabulary split over the ranks
     def vocab_shape(self) -> tuple[int, int]:
         """``(vocab, d)`` of the model's token embedding (:class:`~jaxmem.models.VocabParallel`)."""
@@ -677,14 +724,17 @@ class ModelFacts:
     def vocab_transient(self, microbatch: int, seq: int, ranks: int) -> float:
         """Bytes a rank holds while it computes its slice of the head: the float32 logits, their
         exponentials and their gradient (``[microbatch, seq, vocab / ranks]`` each), the head's input
-        and its gradient, and the slice of the projection in the compute dtype."""
+        and its gradient, and the slice of the projection in the compute dtype. A GPU's compiler
+        fuses the exponentials and the gradient into the logits' one buffer (llama-3.1-8b's slice at
+        8192 tokens compiled for an H100: the step's transient 2.5 GiB, with 2.0 GiB of logits; three
+        of them put the ledger 27% over)."""
         from jaxmem.pipeline import vocab_rows
 
         vocab, d = self.vocab_shape()
         rows = vocab_rows(vocab, ranks)
         dtype = np.dtype(self.model.vocab.dtype).name
-        logits = self.nbytes((microbatch, seq, rows), "float32")
-        return float(3 * logits + 2 * self.nbytes((microbatch, seq, d), dtype) + self.nbytes((rows, d), dtype))
+        logits = self.nbytes((microbatch, seq, rows), "float32") * (1 if self.platform == "gpu" else 3)
+        return float(logits + 2 * self.nbytes((microbatch, seq, d), dtype) + self.nbytes((rows, d), dtype))
 
     def _analytic(self, first, last, layers, policy, seq, vocab=False) -> StageFacts:
         from jaxmem.memory._model import forward_flops, stage_counts
@@ -723,6 +773,7 @@ class ModelFacts:
             self._cache[key] = jax.eval_shape(lambda s: split_vocab(s, self.model.vocab, 1)[0], self._shared)
         return self._cache[key]
 
+    @_on_context
     def _traced_plan(self, first, last, fams, policy, seq, vocab=False, platform=None):
         """The stage's residual plan, traced for the facts' platform (``platform``: another, e.g. an
         XLA:CPU trace of a GPU stage whose cuDNN kernel no cost analysis counts)."""
@@ -779,6 +830,7 @@ class ModelFacts:
             for a, ax in zip(jax.tree.leaves(stage), jax.tree.leaves(layer_axes), strict=True)
         ]
 
+    @_on_context
     def _cut(self, policy, seq: int, tensor: int):
         from jaxmem.pipeline import analyze_cut
 
@@ -789,6 +841,7 @@ class ModelFacts:
         stashed = [v for v, src in zip(outs, plan.sources) if src[0] == "stash"]
         return analyze_cut(plan.closed, dims, stashed)[1]
 
+    @_on_context
     def _transfer_cut(self, policy, seq: int, tensor: int) -> float:
         """The cut fraction of a one-layer middle stage's I->W transfers (the split the executor
         traces; its stash taken whole, so a value computed from a cut residual alone counts whole)."""
@@ -836,6 +889,7 @@ class ModelFacts:
         )
         return self._working(first, last, fams, policy, seq, vocab, split="hand" if hand else True) * microbatch
 
+    @_on_context
     def _working(self, first, last, fams, policy, seq, vocab=False, tensor=1, split=False) -> float | None:
         """Per sequence (and device): the temporaries of the stage's pullback compiled alone, at
         ``WORKSET_MICROBATCH`` sequences (a microbatch of one lays some buffers out apart); more
@@ -998,6 +1052,7 @@ class ModelFacts:
         shared = jax.tree.map(lambda a, ax: placed(a, ax, 0), shared, layout_axes(self.model, 1, vocab).shared)
         return stage, shared
 
+    @_on_context
     def _flops(self, first, last, fams, policy, seq, vocab=False) -> tuple[float, float]:
         """``cost_analysis()`` FLOPs of the lowered forward and pullback of a traced stage, once per
         stage and policy (every policy's facts read save-all's pullback too), shared between depths
@@ -1018,6 +1073,7 @@ class ModelFacts:
             cache[key] = forward, _cost_flops(_lower_pullback(plan, stage, shared, x, batch))
         return cache[key]
 
+    @_on_context
     def compiled_flops(self, *, first, last, layers, policy, seq, families=None) -> tuple[float, float]:
         """Per sequence, the FLOPs of one stage's forward and of its backward (its recompute included)
         as the facts' target's compiler counts them in the programs it builds for the target's
@@ -1170,15 +1226,16 @@ _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _DEPTHLESS: dict = {}  # depthless built-in config -> compiled working sets, I/W splits (ModelFacts.__init__)
 
 
-def model_facts(model, *, analytic: bool = True, target=None) -> ModelFacts:
+def model_facts(model, *, analytic: bool = True, target=None, context: int = 1) -> ModelFacts:
     """The (cached) facts of a model; ``analytic=False`` forces tracing even where a closed form exists;
     ``target`` (a :class:`~jaxmem.targets.Target` or its name): whose compiler and layouts the facts
-    read (None: the devices at hand)."""
+    read (None: the devices at hand); ``context``: of one device's part of each sequence on a context
+    axis of so many devices (the callers give the local length)."""
     from jaxmem.targets import parse_target
 
     target = parse_target(target)
-    key = (analytic, None if target is None or not target.compile_only else target.kind)
+    key = (analytic, None if target is None or not target.compile_only else target.kind, context)
     per_model = _FACTS.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = ModelFacts(model, analytic=analytic, target=target)
+        per_model[key] = ModelFacts(model, analytic=analytic, target=target, context=context)
     return per_model[key]

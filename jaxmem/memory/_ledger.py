@@ -106,6 +106,7 @@ def predict(
     data_parallel: int = 1,
     fsdp: int = 1,
     tensor: int = 1,
+    context: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
     layer_counts=None,
@@ -133,6 +134,11 @@ def predict(
             (:meth:`~jaxmem.memory.ModelFacts.tensor_working`), or where there are too few its cut
             part (:meth:`~jaxmem.memory.ModelFacts.tensor_cut`) shrinks by 1/tensor; a backward
             gathers its item's whole part.
+        context: devices holding part of every sequence (:mod:`jaxmem.models._context`): the
+            activations, messages and stash are of ``seq / context`` tokens a sequence, the stage
+            traced and its backward compiled with the keys and values of the whole sequence gathered
+            (a stand-in of the axis, :class:`~jaxmem.memory.ModelFacts` with ``context``); the
+            parameters are whole on each of its devices, the optimizer state cut over them with ZeRO.
         zero: the optimizer state is sharded over the replicas (ZeRO).
         vocab_parallel: the vocabulary tables are split over the pipe ranks (default: as the
             :class:`~jaxmem.pipeline.Pipeline` does, when the model says where they are and P > 1).
@@ -154,8 +160,16 @@ def predict(
     from jaxmem.pipeline import cell_classes, model_layer_counts, splits_backward, stash_rows
 
     model = get_model(model)
-    facts = facts or model_facts(model, target=target)
+    facts = facts or model_facts(model, target=target, context=context)
+    if facts.context != context:
+        raise JaxmemError(f"the facts given are of a context axis of {facts.context}, not {context}")
     resolved = resolve(policy, schedule, model.tags)
+    whole_seq = seq
+    if context > 1:
+        from jaxmem.models import context_order
+
+        context_order(seq, context)  # refuses a length that does not split into 2 x context chunks
+        seq //= context  # what each device holds of a sequence
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     M = schedule.num_microbatches
     replicas = data_parallel * fsdp
@@ -256,6 +270,13 @@ def predict(
         if vocab:
             terms["vocabulary_slice"] = facts.vocab_transient(mb, seq, schedule.num_ranks)
             working = max(working, terms["vocabulary_slice"])
+    if context > 1:
+        # The attention mask of a device's queries against the gathered keys: one [seq, seq x context]
+        # array whatever the microbatch (the working sets are compiled per sequence, which splits it
+        # between the sequences of their microbatch); on a GPU cuDNN takes it as a bias in 16 bits
+        # (llama-3.1-8b at 131072 tokens over 8 devices on an H100: 4 GiB, the step's largest buffer).
+        terms["context_mask"] = seq * seq * context * (2 if facts.platform == "gpu" else 1)
+        working += terms["context_mask"]
     transient = messages + inputs + working
     # With the stash cut over tensor, a backward gathers its item's whole part (its slot holds a share).
     terms["stash_gathered_over_tensor"] = item * (1 - 1 / tensor)
@@ -291,7 +312,7 @@ def predict(
         terms["streamed_update"] = update_copy - stash_dev
         transient = max(transient, update_copy - stash_dev)
     ranks = _rank_ledgers(schedule.num_ranks, params, grads, optimizer, Bytes(stash_dev, stash_host), transient, live)
-    meta = _meta(model, schedule, resolved, batch, seq, data_parallel, mb, facts.source)
+    meta = _meta(model, schedule, resolved, batch, whole_seq, data_parallel, mb, facts.source)
     meta.update(
         {
             "target": "cpu" if facts.target is None else facts.target.kind,
@@ -300,6 +321,7 @@ def predict(
             "largest_arena_elems": int(largest_arena),
             "fsdp": fsdp,
             "tensor": tensor,
+            "context": context,
             "zero": zero and replicas > 1,
             "vocab_parallel": vocab,
             "layers_per_stage": list(counts),

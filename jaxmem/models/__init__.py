@@ -1,6 +1,14 @@
 """The model interface (:class:`StagedModel`, :func:`from_nnx`) and the built-in models: a GPT and a
 Llama-style decoder in Flax NNX, with ``checkpoint_name`` tags on their activations."""
 
+from jaxmem.models._context import causal_mask as causal_mask
+from jaxmem.models._context import context_calls as context_calls
+from jaxmem.models._context import context_kv as context_kv
+from jaxmem.models._context import context_order as context_order
+from jaxmem.models._context import context_positions as context_positions
+from jaxmem.models._context import context_size as context_size
+from jaxmem.models._context import context_stand_in as context_stand_in
+from jaxmem.models._context import gathered_bytes as gathered_bytes
 from jaxmem.models._interface import ATTENTION as ATTENTION
 from jaxmem.models._interface import AXIS_RULES as AXIS_RULES
 from jaxmem.models._interface import EMBED_KEY as EMBED_KEY

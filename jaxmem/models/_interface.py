@@ -155,7 +155,10 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     :func:`jax.nn.dot_product_attention`. Compiled for a GPU (traced inside
     :func:`attention_platform` ``("gpu")``, as jaxmem's executor and ledger trace for the devices they
     compile for) it is cuDNN's flash attention when the inputs are 16-bit (cuDNN takes no float32),
-    with ``nvidia-cudnn-cu12`` (``pip install 'jaxmem[cuda]'``); elsewhere XLA's own ops. Its s x s
+    with ``nvidia-cudnn-cu12`` (``pip install 'jaxmem[cuda]'``); elsewhere XLA's own ops. On a
+    ``context`` axis it attends this device's queries to every device's keys and values
+    (:func:`~jaxmem.models.context_kv`) under :func:`~jaxmem.models.causal_mask` (cuDNN's kernel
+    with the mask, on a GPU). Its s x s
     probabilities are never kept for the backward: the op is rematerialised as a whole
     (``jax.checkpoint`` saving nothing inside), so the backward reads only ``q``, ``k``, ``v``, as a
     flash kernel does, which recomputes the probabilities blockwise. The price: one more attention
@@ -165,11 +168,19 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     >>> fused_attention(x, x[:, :, :1], x[:, :, :1]).shape
     (1, 4, 2, 8)
     """
+    from jaxmem.models._context import causal_mask, context_kv, context_size
+
     implementation = None
     if _ATTENTION_PLATFORM.get() == "gpu" and jnp.dtype(q.dtype).itemsize == 2:
         _require_cudnn()
         implementation = "cudnn"
-    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
+    if context_size() > 1:  # this device's queries against every device's keys (jaxmem.models._context)
+        k, v = context_kv(k, v)
+        # cuDNN takes the chunked sequence's mask as its own (a bias); XLA's ops build the scores.
+        mask = causal_mask(q.shape[1], k.shape[1])[None, None]
+        attend = functools.partial(jax.nn.dot_product_attention, mask=mask, implementation=implementation)
+    else:
+        attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
     return jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)(q, k, v)
 
 
@@ -282,9 +293,13 @@ def layer_batch(batch: Mapping, position: int) -> Mapping:
 
 
 def batch_positions(batch: Mapping, seq: int) -> jax.Array:
-    """The batch's ``positions`` if it has them, else ``0 .. seq-1`` (broadcast over the batch)."""
+    """The batch's ``positions`` if it has them, else ``0 .. seq-1`` (broadcast over the batch): with a
+    ``context`` axis, the positions of this device's ``seq`` tokens in the whole sequence
+    (:func:`~jaxmem.models.context_positions`)."""
+    from jaxmem.models._context import context_positions
+
     positions = batch.get("positions")
-    return jnp.arange(seq, dtype=jnp.int32)[None, :] if positions is None else positions
+    return context_positions(seq)[None, :] if positions is None else positions
 
 
 def token_loss(logits: jax.Array, batch: Mapping) -> tuple[jax.Array, jax.Array]:

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
+from jaxmem.models._context import causal_mask, context_kv, context_positions
 from jaxmem.models._interface import (
     StagedModel,
     VocabParallel,
@@ -148,8 +149,9 @@ class Block(nnx.Module):
         if self.fused:
             attended = checkpoint_name(fused_attention(q, k, v).reshape(batch, seq, d), "attn_ctx")
         else:
+            k, v = context_kv(k, v)  # every device's keys and values on a context axis (else as they are)
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
-            causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+            causal = causal_mask(seq, k.shape[1])
             scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
             # Softmax in float32; its backward reads the tagged probabilities (saved or recomputed by policy).
             probs = named_softmax(scores, "attn_probs")
@@ -191,7 +193,7 @@ class GPT(nnx.Module):
         seq = tokens.shape[-1]
         if seq > self.config.max_seq_len:
             raise JaxmemError(f"sequence length {seq} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        return self.wte(tokens) + self.wpe(jnp.arange(seq) if positions is None else positions)
+        return self.wte(tokens) + self.wpe(context_positions(seq) if positions is None else positions)
 
     def logits(self, x: jax.Array) -> jax.Array:
         h = self.ln_f(x)
@@ -226,7 +228,7 @@ def gpt(config: GPTConfig, name: str = "gpt") -> StagedModel:
 
     def embed_rows(module, rows, batch):  # the prologue after the token lookup: add position embeddings
         positions = batch.get("positions")
-        return rows + module.wpe(jnp.arange(rows.shape[1]) if positions is None else positions)
+        return rows + module.wpe(context_positions(rows.shape[1]) if positions is None else positions)
 
     vocab = VocabParallel(
         table="wte.embedding",

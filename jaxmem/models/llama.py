@@ -21,6 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._errors import JaxmemError
+from jaxmem.models._context import causal_mask, context_kv
 from jaxmem.models._interface import (
     StagedModel,
     VocabParallel,
@@ -170,6 +171,10 @@ PRESETS: dict[str, LlamaConfig] = {
         rope_theta=500000.0,
     ),
 }
+# Llama 3.1 8B (published config): Llama 3 8B's shape, its RoPE scaled for 131,072 positions.
+PRESETS["llama-3.1-8b"] = dataclasses.replace(
+    PRESETS["llama-8b"], max_seq_len=131072, rope_scaling=(8.0, 1.0, 4.0, 8192)
+)
 
 
 def rope_frequencies(half: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
@@ -243,8 +248,9 @@ class LlamaBlock(nnx.Module):
         else:
             # Grouped-query attention without repeating k and v: queries grouped per kv head.
             grouped = q.reshape(batch, seq, kv_heads, group, hd)
+            k, v = context_kv(k, v)  # every device's keys and values on a context axis (else as they are)
             scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k) / math.sqrt(hd)
-            causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+            causal = causal_mask(seq, k.shape[1])
             scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
             # Softmax in float32; its backward reads the tagged probabilities (saved or recomputed by policy).
             probs = named_softmax(scores, "attn_probs")

@@ -29,7 +29,7 @@ from jaxmem.models import microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
 from jaxmem.pipeline._cut import CutArena, as_rows
 from jaxmem.pipeline._iw import TRANSFER_SPACE, StageSplit, stage_split
-from jaxmem.pipeline._placement import AXES, LeafPlacement, is_placement
+from jaxmem.pipeline._placement import AXES, CONTEXT, LeafPlacement, is_placement
 from jaxmem.pipeline._residuals import ResidualPlan, analyze_stage, host_tile_elems, host_tile_shape
 from jaxmem.pipeline._split import vocab_size as _vocab_size
 from jaxmem.pipeline._ticks import COLUMNS, StageClass, stash_cut, stash_rows
@@ -50,16 +50,22 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes the enclosing ``shard_map`` is manual over (``data``, ``fsdp``, ``pipe``, and
+    ``context`` where the mesh has it)."""
+    return tuple(jax.sharding.get_abstract_mesh().manual_axes) or AXES
+
+
 def vary(x: jax.Array) -> jax.Array:
     """Mark ``x`` as varying over every mesh axis (no data movement), so cond branches agree and no
     autodiff transpose inserts a collective inside a branch."""
-    missing = tuple(a for a in AXES if a not in varying_axes(x))
+    missing = tuple(a for a in manual_axes() if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def vary_like(x: jax.Array, aval) -> jax.Array:
     """Mark ``x`` as varying over the mesh axes ``aval`` varies over."""
-    axes = tuple(a for a in AXES if a in varying_axes(aval) and a not in varying_axes(x))
+    axes = tuple(a for a in manual_axes() if a in varying_axes(aval) and a not in varying_axes(x))
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
@@ -176,6 +182,8 @@ class StepBody:
         tick, _ = pipeline.program(spec, forward=forward)
         self.pipeline, self.tick, self.forward = pipeline, tick, forward
         self.microbatches = pipeline.schedule.num_microbatches
+        self.seq_len = next(iter(spec.values())).shape[1] if pipeline.context > 1 else None
+        spec = pipeline.local_spec(spec)  # what one device holds: part of every sequence on a context axis
         self.microbatch = pipeline.check_batch(spec)
         self.col = {name: i for i, name in enumerate(COLUMNS)}
         self.keys = tick.stash_keys
@@ -385,6 +393,8 @@ class _Run:
         if not body.pipeline.model.rng:
             return micro
         replica = jax.lax.axis_index("data") * body.pipeline.fsdp + jax.lax.axis_index("fsdp")
+        if body.pipeline.context > 1:  # each device of a context axis draws for its own tokens
+            replica = replica * body.pipeline.context + jax.lax.axis_index(CONTEXT)
         key = microbatch_key(self.rng, replica, microbatch, body.microbatches)
         stage = body.stage_ids[jax.lax.axis_index("pipe"), local_stage]
         return {**micro, "rng": stage_key(key, stage)}
@@ -729,8 +739,8 @@ class _Run:
         )
         carry, _ = jax.lax.scan(self.tick, carry, (table_local[0], vocab_table))
         _, _, _, grads, shared_grads, vocab_grads, (loss_sum, weight), _ = carry
-        loss_sum = jax.lax.psum(loss_sum, AXES)
-        weight = jax.lax.psum(weight, AXES)
+        loss_sum = jax.lax.psum(loss_sum, manual_axes())
+        weight = jax.lax.psum(weight, manual_axes())
         if body.forward:
             return loss_sum / weight
         scale = body.tokens_global / weight  # exactly 1 without a loss mask

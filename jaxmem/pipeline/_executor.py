@@ -18,6 +18,7 @@ counted tokens of the whole batch, however it is microbatched or masked.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import jax
@@ -28,12 +29,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import first_device, platform_of
-from jaxmem.models import RNG_SPEC, StagedModel, get_model, traced_for
+from jaxmem.models import RNG_SPEC, StagedModel, context_calls, context_order, context_stand_in, get_model, traced_for
 from jaxmem.pipeline._body import StepBody, varying_axes
 from jaxmem.pipeline._compute_copy import compute_model_abstract, may_cut_master, narrow_vocab
 from jaxmem.pipeline._iw import StageSplit, abstract_split
 from jaxmem.pipeline._placement import (
     AXES,
+    CONTEXT,
     MESH_AXES,
     TENSOR,
     LeafPlacement,
@@ -60,24 +62,30 @@ __all__ = ["Pipeline", "batch_spec", "make_mesh", "varying_axes"]
 HOST = "pinned_host"
 
 
-def make_mesh(data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, fsdp: int = 1, tensor: int = 1) -> Mesh:
-    """A ``("data", "fsdp", "pipe", "tensor")`` mesh over the first ``data * fsdp * pipe * tensor``
-    devices (``tensor`` innermost: neighbouring devices, the fastest links); ``("data", "fsdp",
-    "pipe")`` when ``tensor`` is 1, so that layouts without one compile the programs they always did.
+def make_mesh(
+    data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, fsdp: int = 1, context: int = 1, tensor: int = 1
+) -> Mesh:
+    """A ``("data", "fsdp", "pipe", "context", "tensor")`` mesh over the first ``data * fsdp * pipe *
+    context * tensor`` devices (``tensor`` innermost: neighbouring devices, the fastest links, then
+    ``context``); an axis of size 1 among ``context`` and ``tensor`` is left out, so that layouts
+    without one compile the programs they always did.
 
     ``data`` replicas hold whole parameters; ``fsdp`` replicas hold a shard of each and gather it per
-    use (see :mod:`jaxmem.pipeline._placement`); both split the batch. ``tensor`` cuts the dimensions
-    the model's annotations name, and its devices compute every microbatch together.
+    use (see :mod:`jaxmem.pipeline._placement`); both split the batch. ``context`` splits every
+    sequence: each of its devices holds two of ``2 * context`` chunks of each sequence (chunk ``i``
+    and ``2 * context - 1 - i``, so causal attention's work is even) and the keys and values of all
+    of them for attention (:func:`jaxmem.models.context_kv`). ``tensor`` cuts the dimensions the
+    model's annotations name, and its devices compute every microbatch together.
 
     Raises:
         JaxmemError: when there are not enough devices, with the arithmetic.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, TENSOR: tensor}
+    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, CONTEXT: context, TENSOR: tensor}
     bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         raise JaxmemError(f"mesh axis sizes must be integers >= 1, got {bad}")
-    need = data * fsdp * pipe * tensor
+    need = math.prod(sizes.values())
     if need > len(devices):
         shape = " x ".join(f"{k}({v})" for k, v in sizes.items() if v > 1 or k in ("data", "pipe"))
         raise JaxmemError(
@@ -85,21 +93,24 @@ def make_mesh(data: int = 1, pipe: int = 1, devices: Sequence | None = None, *, 
             f"({devices[0].platform}); on CPU, start with more virtual devices: {setting('devices', need)}, or "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX is imported"
         )
-    if tensor == 1:
-        return Mesh(np.array(devices[:need]).reshape(data, fsdp, pipe), AXES)
-    return Mesh(np.array(devices[:need]).reshape(data, fsdp, pipe, tensor), MESH_AXES)
+    names = tuple(a for a in MESH_AXES if a in AXES or sizes[a] > 1)
+    return Mesh(np.array(devices[:need]).reshape([sizes[a] for a in names]), names)
 
 
 def _normalize_mesh(mesh: Mesh) -> Mesh:
-    """A mesh of jaxmem's axes: ``("data", "fsdp", "pipe", "tensor")``, ``("data", "fsdp", "pipe")``
-    (no tensor axis) or the earlier ``("data", "pipe")``."""
+    """A mesh of jaxmem's axes: ``("data", "fsdp", "pipe")`` and, optionally, ``"context"`` and
+    ``"tensor"`` after them in that order; the earlier ``("data", "pipe")`` is taken as one with
+    ``fsdp`` of 1."""
     names = tuple(mesh.axis_names)
-    if names in (MESH_AXES, AXES):
+    if names[:3] == AXES and names[3:] in ((), (CONTEXT,), (TENSOR,), (CONTEXT, TENSOR)):
         return mesh
     if names == ("data", "pipe"):
         shape = dict(zip(names, mesh.devices.shape))
         return Mesh(mesh.devices.reshape(shape["data"], 1, shape["pipe"]), AXES)
-    raise JaxmemError(f"the mesh axes must be {MESH_AXES} (see jaxmem.pipeline.make_mesh), got {names}")
+    raise JaxmemError(
+        f"the mesh axes must be {AXES}, then optionally {CONTEXT!r} and {TENSOR!r} (see jaxmem.pipeline.make_mesh), "
+        f"got {names}"
+    )
 
 
 def batch_spec(batch: int, seq: int, *, loss_mask: bool = False, positions: bool = False) -> dict:
@@ -355,6 +366,40 @@ class Pipeline:
         """Devices computing each microbatch together, cutting the dimensions the model's
         annotations name (the mesh's ``tensor`` axis)."""
         return self.mesh.shape.get(TENSOR, 1)
+
+    @property
+    def context(self) -> int:
+        """Devices each sequence is split over (the mesh's ``context`` axis; :mod:`jaxmem.models._context`)."""
+        return self.mesh.shape.get(CONTEXT, 1)
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The mesh axes the step's ``shard_map`` is manual over: ``data``, ``fsdp``, ``pipe`` and a
+        ``context`` axis (a ``tensor`` axis is left to XLA's partitioner)."""
+        return AXES + ((CONTEXT,) if self.context > 1 else ())
+
+    def local_spec(self, batch) -> dict:
+        """A batch's spec as one device of the ``context`` axis holds it: every leaf ``[batch, seq,
+        ...]`` with ``seq / context`` of each sequence (two chunks of it,
+        :func:`~jaxmem.models.context_order`); the spec itself without a context axis."""
+        spec = _spec_of(batch)
+        if self.context == 1:
+            return spec
+        seqs = {k: v.shape[1] if len(v.shape) > 1 else None for k, v in spec.items()}
+        seq = seqs.get("tokens") or next((n for n in seqs.values() if n), None)
+        odd = {k: tuple(spec[k].shape) for k, n in seqs.items() if n != seq}
+        if seq is None or odd:
+            raise JaxmemError(
+                f"a context axis splits every batch leaf along its sequence (dimension 1), so every leaf must be "
+                f"[batch, seq, ...] with one seq; got {odd or {k: tuple(v.shape) for k, v in spec.items()}}. Drop "
+                "the context axis for a batch without one sequence length"
+            )
+        context_order(seq, self.context)  # raises when seq does not split into 2 x context chunks
+        if "tokens" in spec:
+            self.model.check_batch(seq)  # the whole sequence against the model's positions
+        return {
+            k: jax.ShapeDtypeStruct((v.shape[0], seq // self.context, *v.shape[2:]), v.dtype) for k, v in spec.items()
+        }
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -633,28 +678,53 @@ class Pipeline:
     ) -> tuple[TickProgram, dict[StageClass, ResidualPlan]]:
         """The tick program and per-class residual plans for a batch (dict or spec, or a batch size
         with ``seq``), cached per batch structure; ``forward``: of the schedule's forwards alone
-        (:func:`~jaxmem.schedule.forward_only`), which stash nothing."""
+        (:func:`~jaxmem.schedule.forward_only`), which stash nothing. On a ``context`` axis, of one
+        device's part of each sequence (:meth:`local_spec`)."""
         spec = _spec_of(batch) if seq is None else batch_spec(batch, seq)
         key = (_key(spec), forward)
         if key not in self._programs:
-            plans = self.residual_plans(spec)
-            transfers = None
-            if self.splits_backward and not forward:
-                micro, message = self.microbatch_spec(spec), self.message_spec(spec)
-                with _naming_batch_keys(self.model, micro):
-                    transfers = {
-                        c: stash_rows(self.backward_split(c, p, micro, message).transfer_elems(), self.tensor)
-                        for c, p in plans.items()
-                    }
-            tick = build_tick_program(
-                forward_only(self.schedule) if forward else self.schedule,
-                self.cell_classes,
-                {c: {} if forward else stash_rows(p.stash_elems, self.tensor) for c, p in plans.items()},
-                head_grads=self.vocab is not None and not forward,
-                transfer_elems=transfers,
-            )
-            self._programs[key] = (tick, plans)
+            with self._traced_on_context():  # of each device's part of the sequences (local_spec)
+                self._programs[key] = self._program(self.local_spec(spec), forward)
         return self._programs[key]
+
+    @contextlib.contextmanager
+    def _traced_on_context(self):
+        """Trace the stages outside the step's ``shard_map`` as on its ``context`` axis (the gathered
+        keys and values of their real shapes), and refuse a model that never calls the context-aware
+        functions there: its attention would see this device's part of each sequence alone."""
+        if self.context == 1:
+            yield
+            return
+        with context_stand_in(self.context):
+            yield
+            if not context_calls():
+                raise JaxmemError(
+                    f"model {self.model.name} is not context-aware: with a context axis each device holds part of "
+                    "every sequence, and its attention must see the keys and values of all of them. Call "
+                    "jaxmem.models.fused_attention(q, k, v) in its layers, or gather with "
+                    "jaxmem.models.context_kv(k, v) and mask with jaxmem.models.causal_mask(q_len, k_len), and take "
+                    "positions from "
+                    "batch_positions(batch, seq) -- or drop the context axis"
+                )
+
+    def _program(self, spec, forward: bool) -> tuple[TickProgram, dict[StageClass, ResidualPlan]]:
+        plans = self.residual_plans(spec)
+        transfers = None
+        if self.splits_backward and not forward:
+            micro, message = self.microbatch_spec(spec), self.message_spec(spec)
+            with _naming_batch_keys(self.model, micro):
+                transfers = {
+                    c: stash_rows(self.backward_split(c, p, micro, message).transfer_elems(), self.tensor)
+                    for c, p in plans.items()
+                }
+        tick = build_tick_program(
+            forward_only(self.schedule) if forward else self.schedule,
+            self.cell_classes,
+            {c: {} if forward else stash_rows(p.stash_elems, self.tensor) for c, p in plans.items()},
+            head_grads=self.vocab is not None and not forward,
+            transfer_elems=transfers,
+        )
+        return tick, plans
 
     @property
     def splits_backward(self) -> bool:
@@ -719,22 +789,25 @@ class Pipeline:
             )
         body = StepBody(self, spec, forward, _counted(spec))
         placement, abstract = self.placement, body.abstract
+        context = self.context
+        # Each sequence reordered so that a device's part of it is its two chunks (context_order).
+        order = None if context == 1 else jnp.asarray(context_order(body.seq_len, context))
 
         def specs(tree, which):
             return jax.tree.map(lambda p: p.spec(which, manual=True), tree, is_leaf=is_placement)
 
-        # Manual over data, fsdp and pipe; a tensor axis is left to XLA's partitioner, which runs
+        # Manual over data, fsdp, pipe and a context axis; a tensor axis is left to XLA's partitioner, which runs
         # each stage's math split the way the parameters' tensor cuts say. Without one (tensor=1) the
         # mesh has only the three manual axes and the partitioner has nothing to do inside the body.
         sharded = jax.shard_map(
             body,
             mesh=self.mesh,
-            axis_names=frozenset(AXES),
+            axis_names=frozenset(self.manual_axes),
             in_specs=(
                 specs(placement.stages, "params"),
                 specs(placement.shared, "params"),
                 specs(placement.vocab, "params"),
-                P(("data", "fsdp")),
+                P(("data", "fsdp")) if context == 1 else P(("data", "fsdp"), CONTEXT),
                 P("pipe"),
                 P(),
                 P(),
@@ -760,6 +833,8 @@ class Pipeline:
                 )
             if self.master_cut:  # master weights given: the stages read them cast (a no-op on a compute copy)
                 params = jax.tree.map(lambda a, c: a.astype(c.dtype), params, abstract)
+            if order is not None:
+                batch = jax.tree.map(lambda a: jnp.take(a, order, axis=1), batch)
             out = sharded(params.stages, params.shared, params.vocab, batch, body.table, body.vocab_ticks, rng)
             if forward:
                 return out

@@ -37,11 +37,22 @@ from jaxmem._util import tree_without
 from jaxmem.models import ParamAxes
 from jaxmem.pipeline._split import PipelineParams
 
-__all__ = ["AXES", "MESH_AXES", "TENSOR", "LeafPlacement", "Placement", "layout_axes", "place_leaf", "placement_of"]
+__all__ = [
+    "AXES",
+    "CONTEXT",
+    "MESH_AXES",
+    "TENSOR",
+    "LeafPlacement",
+    "Placement",
+    "layout_axes",
+    "place_leaf",
+    "placement_of",
+]
 
 AXES = ("data", "fsdp", "pipe")  # manual inside the executor's shard_map
+CONTEXT = "context"  # manual too, where the mesh has it: each device holds part of every sequence
 TENSOR = "tensor"  # left to XLA's partitioner
-MESH_AXES = (*AXES, TENSOR)
+MESH_AXES = (*AXES, CONTEXT, TENSOR)  # every axis a mesh may have, in its order (context and tensor optional)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,22 +163,26 @@ def place_leaf(
     (('pipe',), (), ('data',), ('tensor',))
     >>> place_leaf((2, 1, 64, 32), {"pipe": 2, "tensor": 4}, kind="stage", tensor_dim=3, tensor_unit=16).params
     (('pipe',), (), (), ())
+    >>> place_leaf((2, 1, 64, 192), {"data": 2, "pipe": 2, "context": 2}, kind="stage").state
+    (('pipe',), (), (), ('data', 'context'))
     """
     ndim = len(shape)
     placed: list[list[str]] = [[] for _ in range(ndim)]
     if tensor_dim is not None and shape[tensor_dim] % (sizes.get(TENSOR, 1) * tensor_unit) == 0:
         _place(shape, placed, TENSOR, sizes.get(TENSOR, 1), (tensor_dim,), sizes)
+    # A context axis computes on other tokens of the same sequences: a replica of every leaf, as data's.
+    context = (CONTEXT,) if sizes.get(CONTEXT, 1) > 1 else ()
     if kind == "stage":
         placed[0].append("pipe")
         per_layer = range(2, ndim)
-        reduce = ("data", "fsdp")
+        reduce = ("data", "fsdp", *context)
     elif kind == "vocab":
         placed[0].append("pipe")
         per_layer = ()
-        reduce = ("data", "fsdp")
+        reduce = ("data", "fsdp", *context)
     else:
         per_layer = range(ndim)
-        reduce = ("data", "fsdp", "pipe")
+        reduce = ("data", "fsdp", "pipe", *context)
     cut = {d for d, axes in enumerate(placed) if TENSOR in axes}
     dims = [d for d in (per_layer if fsdp_dims is None else fsdp_dims) if d not in cut]
     _place(shape, placed, "fsdp", sizes.get("fsdp", 1), dims, sizes)

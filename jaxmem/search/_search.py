@@ -29,6 +29,8 @@ __all__ = [
     "progress_lines",
     "search",
     "tensor_sizes",
+    "context_sizes",
+    "CONTEXT_MIN_TOKENS",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "chronos")
@@ -59,6 +61,7 @@ class Candidate:
     policy_name: str
     fsdp: int = dataclasses.field(default=1, kw_only=True)
     tensor: int = dataclasses.field(default=1, kw_only=True)
+    context: int = dataclasses.field(default=1, kw_only=True)
     split_backward: bool = dataclasses.field(default=False, kw_only=True)
     hand_recomputed: bool = dataclasses.field(default=False, kw_only=True)
     policy: object = dataclasses.field(repr=False, compare=False)
@@ -77,6 +80,7 @@ class Candidate:
             "data": self.data,
             "fsdp": self.fsdp,
             "tensor": self.tensor,
+            "context": self.context,
             "microbatches": self.microbatches,
             "split_backward": self.split_backward,
             "hand_recomputed": self.hand_recomputed,
@@ -123,6 +127,7 @@ class SearchResult:
             return (
                 f"P={c.pipe} D={c.data}"
                 + (f" F={c.fsdp}" if c.fsdp > 1 else "")
+                + (f" C={c.context}" if c.context > 1 else "")
                 + (f" T={c.tensor}" if c.tensor > 1 else "")
                 + (" split backward" if c.split_backward else "")
                 + (", recomputed handed to W" if c.hand_recomputed else "")
@@ -173,9 +178,13 @@ class SearchResult:
 
         shown = [] if self.best is None else [self.best, *[c for c in self.ranked if c is not self.best][:top]]
         shown += [c for c in self.ranked if c.pipe == 1 and c.fsdp > 1][:1]
+        context = any(c.context > 1 for c in shown)
         lines = [
             "legend: P pipeline ranks, V stages per rank, D data-parallel replicas, F FSDP shards, T tensor width,",
-            "  M microbatches a step (P x D x F x T devices); the policies named above:",
+            "  C devices each sequence is split over, M microbatches a step (P x D x F x C x T devices); the policies "
+            "named above:"
+            if context
+            else "  M microbatches a step (P x D x F x T devices); the policies named above:",
         ]
         for name in dict.fromkeys(c.policy_name for c in shown):
             base, kept = name.removesuffix(KEEP_GATHERED), name.endswith(KEEP_GATHERED)
@@ -266,6 +275,7 @@ def evaluate(
     layer_counts=None,
     fsdp: int = 1,
     tensor: int = 1,
+    context: int = 1,
     zero: bool = True,
     vocab_parallel: bool | None = None,
     split_backward: bool = False,
@@ -275,7 +285,7 @@ def evaluate(
 ) -> Candidate:
     """Score one (schedule, policy) with :func:`jaxmem.memory.estimate`; ``policy_name``: a
     ``chronos-*`` name, generated for the budget first (Chronos-Recomp/Offload), or any spec
-    :func:`~jaxmem.policy.from_spec` takes. ``fsdp``, ``tensor``, ``zero``,
+    :func:`~jaxmem.policy.from_spec` takes. ``fsdp``, ``tensor``, ``context``, ``zero``,
     ``vocab_parallel``, ``split_backward``: how the state and the math are cut and the backward
     split (:class:`~jaxmem.pipeline.Pipeline`; the candidate's ``split_backward`` says whether the
     split takes effect, :func:`~jaxmem.pipeline.splits_backward`); ``hand_recomputed``: with the
@@ -290,7 +300,7 @@ def evaluate(
     from jaxmem.policy import PRESETS, chronos_policy, from_spec, resolve, reuse_distances
 
     model = get_model(model)
-    facts = model_facts(model, target=target)
+    facts = model_facts(model, target=target, context=context)
     hardware = get_hardware(hardware)
     counts = model_layer_counts(model, schedule.num_stages, layer_counts)
     mb = batch // (data * fsdp * schedule.num_microbatches)
@@ -303,6 +313,7 @@ def evaluate(
         data_parallel=data,
         fsdp=fsdp,
         tensor=tensor,
+        context=context,
         zero=zero,
         vocab_parallel=vocab_parallel,
         layer_counts=counts,
@@ -347,7 +358,7 @@ def evaluate(
                 families=families[s],
                 policy=save_all,
                 microbatch=mb,
-                seq=seq,
+                seq=seq // context,
             ).stash_bytes("device")
             return 2 * stash / hardware.host_share
 
@@ -425,6 +436,7 @@ def evaluate(
         data=data,
         fsdp=fsdp,
         tensor=tensor,
+        context=context,
         split_backward=split_backward,
         hand_recomputed=hand_recomputed,
         microbatches=schedule.num_microbatches,
@@ -448,6 +460,32 @@ def tensor_sizes(model, devices: int) -> list[int]:
     return [t for t in (1, 2, 4, 8) if devices % t == 0]
 
 
+# A context axis is searched where each of its devices still holds at least this many tokens of a
+# sequence: below it, the keys and values gathered every layer are a large share of the little work
+# each device has (and short sequences fit without one).
+CONTEXT_MIN_TOKENS = 2048
+
+
+def context_sizes(model, devices: int, seq: int) -> list[int]:
+    """The context splits worth searching for ``devices`` devices per pipe rank and tensor group: 1,
+    and 2, 4, 8 and 16 where they divide them, split the sequence into ``2 x C`` equal chunks, leave
+    each device at least :data:`CONTEXT_MIN_TOKENS` tokens, and the model's attention is
+    context-aware (:func:`jaxmem.models.context_kv`)."""
+    sizes = [c for c in (2, 4, 8, 16) if devices % c == 0 and seq % (2 * c) == 0 and seq // c >= CONTEXT_MIN_TOKENS]
+    return [1, *sizes] if sizes and context_aware(model) else [1]
+
+
+def context_aware(model) -> bool:
+    """Whether the model's layers gather keys and values over a context axis (a stage of one layer
+    traced on a stand-in of one; nothing compiled)."""
+    from jaxmem.memory import model_facts
+
+    try:
+        return model_facts(model, context=2).context_kv_bytes(True, True, 1, 4) > 0
+    except JaxmemError:
+        return False
+
+
 def candidate_schedules(
     model,
     devices: int,
@@ -458,14 +496,18 @@ def candidate_schedules(
     fsdp: bool = True,
     tensors=None,
     mesh: dict | None = None,
+    seq: int | None = None,
+    contexts=None,
 ):
-    """``(schedule, data, fsdp, tensor)`` the search considers: pipe sizes dividing the devices, a
-    tensor split of each pipe rank's devices (:func:`tensor_sizes`, or ``tensors``), the replicas that
+    """``(schedule, data, fsdp, tensor, context)`` the search considers: pipe sizes dividing the
+    devices, a tensor split of each pipe rank's devices (:func:`tensor_sizes`, or ``tensors``), a
+    context split of what is left (:func:`context_sizes` for sequences of ``seq``, or ``contexts``;
+    none without ``seq``), the replicas that
     leaves either all data-parallel (ZeRO) or, without a tensor split, all FSDP; stage counts dividing
     the layers, microbatch counts dividing the per-replica batch; and, with ``fsdp``, the FSDP-only
     layout with no pipeline -- one rank whose stages are the FSDP units (interleaved-1f1b with P=1, a
-    layer or two a stage), gathered one at a time. ``mesh`` (``{"data", "fsdp", "pipe", "tensor"}``):
-    that layout only."""
+    layer or two a stage), gathered one at a time. ``mesh`` (``{"data", "fsdp", "pipe", "context",
+    "tensor"}``): that layout only."""
     from jaxmem.schedule import ScheduleError, generate
 
     out = []
@@ -478,35 +520,43 @@ def candidate_schedules(
             continue
         sizes = [mesh["tensor"]] if mesh is not None else tensors or tensor_sizes(model, devices // pipe)
         for tensor in sizes:
-            replicas = devices // (pipe * tensor)
-            if devices % (pipe * tensor) or batch % replicas:
+            if devices % (pipe * tensor):
                 continue
-            local = batch // replicas
-            ms = microbatches or sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe) if local % m == 0})
+            left = devices // (pipe * tensor)
             if mesh is not None:
-                splits = [(mesh["data"], mesh["fsdp"])]
+                context_splits = [mesh.get("context", 1)]
             else:
-                splits = [(replicas, 1)] + ([(1, replicas)] if fsdp and replicas > 1 and tensor == 1 else [])
-            for name in schedules:
-                virtual = 2 if name in ("interleaved-1f1b",) else None
-                stages = pipe * (2 if name in ("interleaved-1f1b", "zbv", "chronos", "v-half", "v-min") else 1)
-                if model.n_layers % stages or (pipe == 1 and name != "gpipe"):
+                context_splits = contexts or (context_sizes(model, left, seq) if seq else [1])
+            for context in context_splits:
+                replicas = left // context
+                if left % context or batch % replicas:
                     continue
-                for m in ms:
-                    if local % m:
+                local = batch // replicas
+                ms = microbatches or sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe) if local % m == 0})
+                if mesh is not None:
+                    splits = [(mesh["data"], mesh["fsdp"])]
+                else:
+                    splits = [(replicas, 1)] + ([(1, replicas)] if fsdp and replicas > 1 and tensor == 1 else [])
+                for name in schedules:
+                    virtual = 2 if name in ("interleaved-1f1b",) else None
+                    stages = pipe * (2 if name in ("interleaved-1f1b", "zbv", "chronos", "v-half", "v-min") else 1)
+                    if model.n_layers % stages or (pipe == 1 and name != "gpipe"):
                         continue
-                    try:
-                        schedule = generate(name, pipe, m, virtual)
-                    except ScheduleError:
-                        continue
-                    out += [(schedule, d, f, tensor) for d, f in splits]
+                    for m in ms:
+                        if local % m:
+                            continue
+                        try:
+                            schedule = generate(name, pipe, m, virtual)
+                        except ScheduleError:
+                            continue
+                        out += [(schedule, d, f, tensor, context) for d, f in splits]
     if fsdp and devices > 1 and not pipes and mesh is None and batch % devices == 0:
         local = batch // devices
         for per_stage in (1, 2):
             if model.n_layers % per_stage:
                 continue
             for m in sorted({m for m in (1, 2, 4) if local % m == 0}):
-                out.append((generate("interleaved-1f1b", 1, m, model.n_layers // per_stage), 1, devices, 1))
+                out.append((generate("interleaved-1f1b", 1, m, model.n_layers // per_stage), 1, devices, 1, 1))
     return out
 
 
@@ -559,6 +609,7 @@ def search(
     progress=None,
     fsdp: bool = True,
     tensors=None,
+    contexts=None,
     mesh: dict | None = None,
     zero: bool = True,
     vocab_parallel: bool | None = None,
@@ -570,8 +621,10 @@ def search(
     """Search pipeline sizes x tensor splits x data/fsdp splits x schedules x microbatches x
     policies, and the FSDP-only layout; the fastest simulated candidate that fits wins. ``fsdp=False``
     leaves the fsdp splits out; ``tensors``: the tensor splits to try (default
-    :func:`tensor_sizes`); ``mesh``: one layout only (``{"data", "fsdp", "pipe", "tensor"}``, its
-    product the devices); ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`;
+    :func:`tensor_sizes`); ``contexts``: the context splits to try (default :func:`context_sizes`:
+    where each device keeps at least :data:`CONTEXT_MIN_TOKENS` tokens of a sequence); ``mesh``:
+    one layout only (``{"data", "fsdp", "pipe", "context", "tensor"}``, its product the devices);
+    ``zero`` and ``vocab_parallel`` as in :class:`~jaxmem.pipeline.Pipeline`;
     ``split_backward``: on schedules with I and W, whether I hands W its cotangents
     (faster, W does half a backward instead of a whole one; the cotangents take memory from I to W);
     None tries both (on a CPU profile with a tensor axis only without: measured slower there).
@@ -603,7 +656,17 @@ def search(
     from jaxmem.policy import KEEP_GATHERED, PRESETS
 
     pairs = candidate_schedules(
-        model, devices, batch, schedules, pipes, microbatches, fsdp=fsdp, tensors=tensors, mesh=mesh
+        model,
+        devices,
+        batch,
+        schedules,
+        pipes,
+        microbatches,
+        fsdp=fsdp,
+        tensors=tensors,
+        mesh=mesh,
+        seq=seq,
+        contexts=contexts,
     )
     if not pairs:
         raise JaxmemError(
@@ -615,7 +678,7 @@ def search(
         raise JaxmemError(f"{setting('margin')} is a fraction of the budget in [0, 1), e.g. 0.1; got {margin}")
     planned = budget_bytes / (1 + margin)
     candidates = []
-    for i, (schedule, data, fsdp_size, tensor) in enumerate(pairs):
+    for i, (schedule, data, fsdp_size, tensor, context) in enumerate(pairs):
         if progress:
             progress(i, len(pairs), schedule)
         seen = {}
@@ -641,6 +704,7 @@ def search(
                 data=data,
                 fsdp=fsdp_size,
                 tensor=tensor,
+                context=context,
                 zero=zero,
                 vocab_parallel=vocab_parallel,
                 hardware=hw,
@@ -690,16 +754,21 @@ def confirm(
     candidate's per-device bytes from ``memory_analysis()`` of its compiled step), and keep the first
     whose compiled bytes fit the budget, saying which were passed over and why. At most ``tries``
     are compiled; when none of them fits, a :class:`SearchError` says so."""
+    import jax
+
     fitting = [c for c in result.ranked if c.fits][:tries]
     if not fitting:
         return result
     rejected, over = [], {}
     for c in fitting:
-        refused = None
+        refused = failed = None
         try:
             compiled = float(compiled_bytes(c))
         except StepTooLarge as e:  # the target's compiler refused it: beyond the chip's memory
             refused, compiled = e, max(e.needed_bytes, result.budget_bytes + 1)
+        except jax.errors.JaxRuntimeError as e:  # the compiler failed on it (its own limits): the next pick
+            reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            failed, compiled = reason[:300], math.inf
         if compiled <= result.budget_bytes:
             where = "here" if result.target == "cpu" else f"for {result.target}"
             what = f"compiled {where}: {human_bytes(compiled)}/device, within the budget"
@@ -714,20 +783,27 @@ def confirm(
                 candidates=tuple(over.get(id(x), x) for x in result.candidates),
                 confirmed={"compiled_bytes": int(compiled), "rejected": rejected, "summary": what},
             )
-        rejected.append({**c.to_json(), "compiled_bytes": int(compiled)})
-        over[id(c)] = dataclasses.replace(c, device_bytes=compiled, fits=False, note=f"{c.note} (compiled)".strip())
-        outcome = (
-            f"compiles to {human_bytes(compiled)} > the budget {human_bytes(result.budget_bytes)}"
-            if refused is None
-            else f"does not compile for {result.target}, beyond its chip's memory ({refused})"
-        )
+        if failed is not None:
+            rejected.append({**c.to_json(), "compiled_bytes": None, "failed": failed})
+            over[id(c)] = dataclasses.replace(c, fits=False, note=f"{c.note} (does not compile: {failed})".strip())
+            outcome = f"its compile failed for {result.target} ({failed})"
+        else:
+            rejected.append({**c.to_json(), "compiled_bytes": int(compiled)})
+            over[id(c)] = dataclasses.replace(c, device_bytes=compiled, fits=False, note=f"{c.note} (compiled)".strip())
+            outcome = (
+                f"compiles to {human_bytes(compiled)} > the budget {human_bytes(result.budget_bytes)}"
+                if refused is None
+                else f"does not compile for {result.target}, beyond its chip's memory ({refused})"
+            )
         log(
-            f"plan: {c.schedule} P={c.pipe} D={c.data} M={c.microbatches} {c.policy_name} was predicted at "
+            f"plan: {c.schedule} P={c.pipe} D={c.data}{f' C={c.context}' if c.context > 1 else ''}"
+            f"{f' T={c.tensor}' if c.tensor > 1 else ''} M={c.microbatches} {c.policy_name} was predicted at "
             f"{human_bytes(c.device_bytes)} but {outcome}; trying the next"
         )
+    sizes = [r["compiled_bytes"] for r in rejected if r["compiled_bytes"] is not None]
+    smallest = f"smallest compiled: {human_bytes(min(sizes))}" if sizes else "none compiled"
     raise SearchError(
         f"none of the {len(fitting)} fastest plans predicted to fit {human_bytes(result.budget_bytes)} per device "
-        f"fits it when compiled (smallest compiled: {human_bytes(min(r['compiled_bytes'] for r in rejected))}); "
-        f"give a larger {setting('budget')} or more devices",
-        min(r["compiled_bytes"] for r in rejected),
+        f"fits it when compiled ({smallest}); give a larger {setting('budget')} or more devices",
+        min(sizes) if sizes else None,
     )

@@ -131,6 +131,7 @@ def planned_config(config: TrainConfig, best, devices: int) -> TrainConfig:
         data_parallel=best.data,
         fsdp=best.fsdp,
         tensor=best.tensor,
+        context=best.context,
         microbatches=best.microbatches,
         virtual=best.virtual if best.schedule == "interleaved-1f1b" else None,
         policy=best.policy,
@@ -277,6 +278,7 @@ def train(
             f"{data}{tokenizer}, {trainer.schedule.name} P={config.pipe} M={config.microbatches} "
             f"stages={trainer.schedule.num_stages} data={config.data_parallel}"
             f"{f' fsdp={config.fsdp}' if config.fsdp > 1 else ''}"
+            f"{f' context={config.context}' if config.context > 1 else ''}"
             f"{f' tensor={config.tensor}' if config.tensor > 1 else ''} on "
             f"{config.num_devices} {jax.devices()[0].platform} devices; compiling...",
             highlight=False,

@@ -149,7 +149,7 @@ class Trainer:
         target = config.compile_target()
         if devices is None and target is not None and not _attached(target):
             devices = target.devices(config.num_devices)  # compile-only: the step compiles, it does not run
-        self.mesh = make_mesh(mesh.data, mesh.pipe, devices, fsdp=mesh.fsdp, tensor=mesh.tensor)
+        self.mesh = make_mesh(mesh.data, mesh.pipe, devices, fsdp=mesh.fsdp, context=mesh.context, tensor=mesh.tensor)
         self.pipeline = Pipeline(
             self.model,
             self.schedule,
