@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -666,19 +667,38 @@ def gradient_sync_seconds(
 
     stage_ratio = sum(static.stage_copy) / sum(static.stage_params) if sum(static.stage_params) else 1.0
     shared_ratio = static.shared_copy / static.shared_params if static.shared_params else 1.0
+    if context == 1:
+        stride = fsdp * ranks * tensor  # the data axis's devices are fsdp x pipe x tensor apart
+        seconds = sync(sum(static.stage_params), stage_ratio, data_parallel, stride)
+        shared = facts.stage_shared_bytes(vocab) / fsdp
+        seconds += sync(shared, shared_ratio, data_parallel * ranks, fsdp * tensor)
+        tables = static.shared_params - shared
+        seconds += sync(tables, shared_ratio, data_parallel * fsdp, ranks * tensor)
+        return seconds
+    # With a context axis each group also spans its devices (tensor apart; the data axis's are fsdp x
+    # pipe x context x tensor apart, fsdp's pipe x context x tensor, pipe's context x tensor): a group
+    # is priced at the stride its widest axis spans.
     inner = context * tensor
-    # the data axis's devices are fsdp x pipe x context x tensor apart, a context axis's tensor apart
-    stride = fsdp * ranks * inner if data_parallel > 1 else tensor
-    seconds = sync(sum(static.stage_params), stage_ratio, data_parallel * context, stride)
+    data, fsdp_axis, pipe, ctx = (
+        (data_parallel, fsdp * ranks * inner),
+        (fsdp, ranks * inner),
+        (ranks, inner),
+        (context, tensor),
+    )
+    seconds = sync(sum(static.stage_params), stage_ratio, *_group(data, ctx))
     shared = facts.stage_shared_bytes(vocab) / fsdp
-    seconds += sync(
-        shared, shared_ratio, data_parallel * ranks * context, fsdp * inner if data_parallel > 1 else tensor
-    )
+    seconds += sync(shared, shared_ratio, *_group(data, pipe, ctx))
     tables = static.shared_params - shared
-    seconds += sync(
-        tables, shared_ratio, data_parallel * fsdp * context, ranks * inner if data_parallel * fsdp > 1 else tensor
-    )
+    seconds += sync(tables, shared_ratio, *_group(data, fsdp_axis, ctx))
     return seconds
+
+
+def _group(*axes: tuple[int, int]) -> tuple[int, int]:
+    """``(devices, stride)`` of a collective over mesh axes given as ``(size, stride)``: the devices of
+    all of them, at the stride that spans what the widest of them spans."""
+    size = math.prod(n for n, _ in axes)
+    span = max((n * stride for n, stride in axes if n > 1), default=1)
+    return size, max(1, span // size)
 
 
 def kept_gather_seconds(
