@@ -767,7 +767,9 @@ def confirm(
         except StepTooLarge as e:  # the target's compiler refused it: beyond the chip's memory
             refused, compiled = e, max(e.needed_bytes, result.budget_bytes + 1)
         except jax.errors.JaxRuntimeError as e:  # the compiler failed on it (its own limits): the next pick
-            reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+            # XLA's first line; where it wraps a Python traceback (a custom partitioner's), its last too
+            reason = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
             failed, compiled = reason[:300], math.inf
         if compiled <= result.budget_bytes:
             where = "here" if result.target == "cpu" else f"for {result.target}"
