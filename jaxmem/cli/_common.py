@@ -143,7 +143,7 @@ def resolve_mesh(args, pipe: int = 4) -> None:
     args.data_parallel = args.data_parallel or 1
     args.fsdp = args.fsdp or 1
     args.tensor = args.tensor or 1
-    args.context = getattr(args, "context", None) or 1
+    args.context = args.context or 1
     args.pipe = args.pipe or pipe
 
 

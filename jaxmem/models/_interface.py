@@ -158,11 +158,10 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     with ``nvidia-cudnn-cu12`` (``pip install 'jaxmem[cuda]'``); elsewhere XLA's own ops. On a
     ``context`` axis it attends this device's queries to every device's keys and values
     (:func:`~jaxmem.models.context_kv`) under :func:`~jaxmem.models.causal_mask` (cuDNN's kernel
-    with the mask, on a GPU). Its s x s
-    probabilities are never kept for the backward: the op is rematerialised as a whole
-    (``jax.checkpoint`` saving nothing inside), so the backward reads only ``q``, ``k``, ``v``, as a
-    flash kernel does, which recomputes the probabilities blockwise. The price: one more attention
-    forward in the backward.
+    with the mask, on a GPU). Its s x s probabilities are never kept for the backward: the op is
+    rematerialised as a whole (``jax.checkpoint`` saving nothing inside), so the backward reads only
+    ``q``, ``k``, ``v``, as a flash kernel does, which recomputes the probabilities blockwise. The
+    price: one more attention forward in the backward.
 
     >>> x = jnp.ones((1, 4, 2, 8))
     >>> fused_attention(x, x[:, :, :1], x[:, :, :1]).shape

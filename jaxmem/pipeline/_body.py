@@ -182,7 +182,6 @@ class StepBody:
         tick, _ = pipeline.program(spec, forward=forward)
         self.pipeline, self.tick, self.forward = pipeline, tick, forward
         self.microbatches = pipeline.schedule.num_microbatches
-        self.seq_len = next(iter(spec.values())).shape[1] if pipeline.context > 1 else None
         spec = pipeline.local_spec(spec)  # what one device holds: part of every sequence on a context axis
         self.microbatch = pipeline.check_batch(spec)
         self.col = {name: i for i, name in enumerate(COLUMNS)}

@@ -791,7 +791,7 @@ class Pipeline:
         placement, abstract = self.placement, body.abstract
         context = self.context
         # Each sequence reordered so that a device's part of it is its two chunks (context_order).
-        order = None if context == 1 else jnp.asarray(context_order(body.seq_len, context))
+        order = None if context == 1 else jnp.asarray(context_order(next(iter(spec.values())).shape[1], context))
 
         def specs(tree, which):
             return jax.tree.map(lambda p: p.spec(which, manual=True), tree, is_leaf=is_placement)
