@@ -2,7 +2,10 @@
 32768 and 131072 tokens, with and without a context axis, each pick compiled for the H100s.
 
     python benchmarks/context_plan.py [--json] [--out benchmarks/results/context_plan.json]
-        [--seqs 32768,131072] [--batch 16] [--budget 80GiB]
+        [--seqs 32768,131072] [--batch 16] [--budget 80GiB] [--update]
+
+``--update`` replaces, in the record at ``--out``, only the rows of the sequence lengths run now and
+adds this run's command to the record's ``commands`` (one search per length takes 15-45 minutes here).
 
 For each sequence length the search (``jaxmem.search.search``, as ``jaxmem plan --target h100:16``
 runs it) scores every layout of 16 devices -- pipeline ranks, data, FSDP, tensor and, where each
@@ -84,6 +87,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=16)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--update", action="store_true", help="replace only these lengths' rows in the --out record")
     args = parser.parse_args()
     import jax
 
@@ -114,6 +118,27 @@ def main() -> None:
         "devices": args.devices,
         "rows": rows,
     }
+    if args.update:
+        import json
+
+        if not args.out or not os.path.exists(args.out):
+            parser.error("--update needs --out naming an existing record")
+        with open(args.out) as f:
+            old = json.load(f)
+        seqs = {r["seq_len"] for r in rows}
+        record["rows"] = sorted(
+            [r for r in old["rows"] if r["seq_len"] not in seqs] + rows,
+            key=lambda r: (r["seq_len"], r["context"] != "searched"),
+        )
+
+        def lengths(command: str) -> set:  # the lengths a command ran (its --seqs, or the default)
+            words = command.split()
+            given = words[words.index("--seqs") + 1] if "--seqs" in words else "32768,131072"
+            return {int(n) for n in given.split(",")}
+
+        kept = [c for c in old.get("commands", [old["command"]]) if lengths(c) - seqs]
+        record["commands"] = kept + [record["command"]]
+        record["note"] = "recorded as several runs (the commands), each replacing its sequence lengths' rows"
     from plan_ranking import write_record
 
     write_record(record, args.out, args.json)

@@ -14,7 +14,9 @@ buffers; a GPU's arguments + temporaries + outputs less aliases; ``jaxmem.memory
 The configurations: the built-in tiny GPT and Llama and the four decoder families of
 ``tests/families.py`` (8 layers, d_model 32-64) at batch 16 x 64, and gpt2-small at batch 16 x 512,
 all bf16 compute over float32 master weights, 1F1B P=4 M=8; and on request (``--models llama-8b/4``,
-``llama-8b/2``) stages at llama-8b's real size, one layer a stage at seq 4096 (P=4 M=8, P=2 M=4). An
+``llama-8b/2``) stages at llama-8b's real size, one layer a stage at seq 4096 (P=4 M=8, P=2 M=4); a
+name ending ``+fused`` (``llama-8b/2+fused``) is that model with fused attention (cuDNN's kernel on the
+H100, the Pallas flash kernel on a TPU: ``jaxmem.models.fused_attention``). An
 H100 compiled for here has no host memory kinds: the policies that keep weights or optimizer state
 on host between steps are refused there (the row says so), and a step beyond a TPU's HBM is refused
 by its compiler (the row quotes it, through ``jaxmem.StepTooLarge``). The error is ``predicted /
@@ -41,6 +43,7 @@ TARGETS = ("tpu-v5e:4", "h100:4")
 MODELS = ("tiny", "llama-tiny", "gpt2-small", "mqa", "wide", "moe", "parallel")
 POLICIES = ("save-all", "selective", "recompute-all", "offload-stash", "offload-weights", "offload-optimizer-state")
 SHAPES = {"gpt2-small": (16, 512), "llama-8b/4": (8, 4096), "llama-8b/2": (4, 4096)}  # (batch, seq); else 16 x 64
+BF16 = ("tiny", "llama-tiny", "gpt2-small")  # presets given bf16 compute here (the others are made with it)
 PIPE = {"llama-8b/2": 2}  # pipeline ranks; else 4 (and 8 microbatches)
 # llama-8b/L: llama-8b's own width, vocabulary and sequence (d_model 4096, 128k tokens, seq 4096), L of its
 # 32 layers: one a stage, a sequence a microbatch. On four ranks its save-all stash arena (3.3 billion
@@ -50,15 +53,18 @@ PIPE = {"llama-8b/2": 2}  # pipeline ranks; else 4 (and 8 microbatches)
 
 def build_model(name: str):
     """A family of ``tests/families.py`` as a model, a built-in preset's name (its dtype set by the
-    config), or ``PRESET/LAYERS``: that preset with so many layers."""
+    config), or ``PRESET/LAYERS``: that preset with so many layers (``+fused``: fused attention)."""
     from families import FAMILIES as OUTSIDE
     from families import family
 
     from jaxmem.models import get_model
 
+    name, fused = name.removesuffix("+fused"), name.endswith("+fused")
     if "/" in name:
         preset, layers = name.split("/")
-        return get_model(preset, n_layers=int(layers), dtype="bfloat16")
+        return get_model(preset, n_layers=int(layers), dtype="bfloat16", **({"attention": "fused"} if fused else {}))
+    if fused:  # (bf16 compute, as the config gives the presets below)
+        return get_model(name, attention="fused", **({"dtype": "bfloat16"} if name in BF16 else {}))
     return family(name) if name in OUTSIDE else name
 
 
@@ -68,15 +74,16 @@ def row(target: str, name: str, policy: str) -> dict:
     from jaxmem.memory import compare, predict
     from jaxmem.train import Trainer
 
-    batch, seq = SHAPES.get(name, (16, 64))
+    base = name.removesuffix("+fused")
+    batch, seq = SHAPES.get(base, (16, 64))
     out = {"target": target, "model": name, "policy": policy, "batch_size": batch, "seq_len": seq}
     start = time.perf_counter()
     try:
         config = TrainConfig(
             model=build_model(name),
-            dtype="bfloat16" if name in ("tiny", "llama-tiny", "gpt2-small") else None,
-            pipe=PIPE.get(name, 4),
-            microbatches=2 * PIPE.get(name, 4),
+            dtype="bfloat16" if name in BF16 else None,
+            pipe=PIPE.get(base, 4),
+            microbatches=2 * PIPE.get(base, 4),
             batch_size=batch,
             seq_len=seq,
             policy=policy,

@@ -379,11 +379,6 @@ class TrainConfig:
                 f"{_s('plan', 'auto')} needs {_s('budget')} (device memory per device, e.g. "
                 f"{_s('budget', '12MiB')} or {_s('budget', '24GiB')})"
             )
-        if self.context > 1 and self.adaptive:
-            raise JaxmemError(
-                f"the online profiler ({_s('adaptive')}) does not run a context axis yet: drop "
-                f"{_s('context', self.context)} or {_s('adaptive')}"
-            )
         if self.margin is not None and (self.plan != "auto" or not 0 <= self.margin < 1):
             raise JaxmemError(
                 f"{_s('margin', self.margin)} is a fraction of the budget in [0, 1) that {_s('plan', 'auto')} keeps "

@@ -345,6 +345,24 @@ def test_recovery_planner_scores_every_strategy():
     assert no_spares.choice.name in ("shrink-data-parallel", "re-partition")
 
 
+def test_recovery_keeps_a_context_axis_and_prices_it():
+    """A job with a context axis was refused by the recovery planner; each strategy now keeps the
+    job's split of every sequence (context 2 here) and shrinks the other axes around it, its devices
+    counted with it, its step and bytes priced with it (the kv gathers, 1/C of the activations)."""
+    from jaxmem.memory import estimate
+
+    config = TrainConfig(pipe=2, context=2, data_parallel=2, microbatches=4, batch_size=16, seq_len=64, steps=100)
+    plan = _plan(config, spares=0, cores=2)
+    assert {c.name for c in plan.candidates} == {"shrink-data-parallel", "re-partition"}
+    assert all(c.context == 2 and "context=2" in c.mesh and "C=2" in c.layout for c in plan.candidates)
+    shrunk = next(c for c in plan.candidates if c.name == "shrink-data-parallel")
+    assert (shrunk.pipe, shrunk.data_parallel, shrunk.nprocs) == (2, 1, 2)  # 4 devices: 2 of the 3 processes left
+    kw = dict(batch=16, seq=64, layer_counts=list(shrunk.layers_per_stage), hardware="cpu")
+    model, schedule = config.build_model(), config.build_schedule()
+    assert shrunk.device_bytes == estimate(model, schedule, config.policy, context=2, **kw).device_bytes
+    assert shrunk.device_bytes < estimate(model, schedule, config.policy, **kw).device_bytes
+
+
 def test_shared_core_model_and_calibration():
     """The CPU model is the documented lockstep sum, and the pre-failure measurement calibrates it:
     the unchanged plan (restart on spares) is predicted at exactly the measured step."""

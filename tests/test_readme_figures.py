@@ -521,3 +521,19 @@ def elastic_rows(record) -> list[str]:
 def test_the_elastic_table_matches_its_record():
     for row in elastic_rows(_record("elastic.json")):
         assert " ".join(row.split()) in README, row
+
+
+def test_the_context_plan_figures_match_their_record():
+    rows = {(r["seq_len"], r["context"]): r for r in _record("context_plan.json")["rows"]}
+    gib = 2**30
+    for seq in (32768, 131072):
+        on, off = rows[seq, "searched"], rows[seq, "off"]
+        ratio = on["best"]["tokens_per_second"] / off["best"]["tokens_per_second"]
+        assert f"{ratio:.2f}x" in README, (seq, ratio)
+        for row in (on, off):
+            best = row["best"]
+            said = (
+                f"| {best['tokens_per_second']:,.0f} | {100 * row['mfu']:.1f}% | {best['device_bytes'] / gib:.1f} / "
+                f"{row['compiled_bytes'] / gib:.1f} |"
+            )
+            assert said in README, said

@@ -278,7 +278,7 @@ class _Job:
         if needed > nprocs * self.devices_per_proc:
             raise JaxmemError(
                 f"the plan needs data({config.data_parallel}) x fsdp({config.fsdp}) x pipe({config.pipe}) x "
-                f"tensor({config.tensor}) = {needed} devices but {nprocs} process(es) x "
+                f"context({config.context}) x tensor({config.tensor}) = {needed} devices but {nprocs} process(es) x "
                 f"{self.devices_per_proc} device(s) are running; set {setting('nprocs')} / "
                 f"{setting('devices_per_proc')} to match"
             )

@@ -70,6 +70,7 @@ class Strategy:
     fsdp: int = 1
     tensor: int = 1
     device_bytes: float | None = None  # predicted per device (the run's policy); None: not predicted
+    context: int = 1
 
     @property
     def throughput_steps_per_second(self) -> float:
@@ -78,13 +79,17 @@ class Strategy:
     @property
     def mesh(self) -> str:
         """The strategy's mesh as ``--mesh`` takes it."""
-        return str(MeshSpec(data=self.data_parallel, fsdp=self.fsdp, pipe=self.pipe, tensor=self.tensor))
+        return str(
+            MeshSpec(data=self.data_parallel, fsdp=self.fsdp, pipe=self.pipe, context=self.context, tensor=self.tensor)
+        )
 
     @property
     def layout(self) -> str:
-        """``P=.. D=..`` (with ``F=``/``T=`` when those axes are in use)."""
+        """``P=.. D=..`` (with ``F=``/``C=``/``T=`` when those axes are in use)."""
         text = f"P={self.pipe} D={self.data_parallel}"
-        return text + (f" F={self.fsdp}" if self.fsdp > 1 else "") + (f" T={self.tensor}" if self.tensor > 1 else "")
+        for name, size in (("F", self.fsdp), ("C", self.context), ("T", self.tensor)):
+            text += f" {name}={size}" if size > 1 else ""
+        return text
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "steps_per_second": self.throughput_steps_per_second}
@@ -229,15 +234,13 @@ def choose_recovery(
     if hardware is None and cores and measured_step_seconds:
         # The measured step sets the scale (below): the nominal rate serves, and nothing compiles.
         hardware = dataclasses.replace(HARDWARE["cpu"], cores=cores, note="nominal, scaled by the measured step")
-    if config.context > 1:
-        raise JaxmemError(
-            f"recovery planning does not price a context axis yet (the job runs context={config.context}): "
-            "restart it on a layout of your own (jaxmem train --context ... --restore-step)"
-        )
     hardware = get_hardware(hardware or ("cpu" if cores else "h100"))
     model = config.build_model()
     P, D, M = config.pipe, config.data_parallel, config.microbatches
     F, T = config.fsdp, config.tensor
+    # A context axis is kept as it is, beside tensor: each sequence's split (and every device's share
+    # of it) is the job's, and the other axes shrink around it.
+    C = config.context
     B, seq = config.batch_size, config.seq_len
     schedule_name = config.schedule or "1f1b"
     layers = model.n_layers
@@ -268,7 +271,7 @@ def choose_recovery(
     def modelled(stages, data, counts, procs, schedule=None, fsdp=F):
         schedule = schedule or schedule_for(stages)
         return _modelled_seconds(
-            model, schedule, data, B, seq, counts, hardware, cores, procs, fsdp=fsdp, tensor=T, **layout
+            model, schedule, data, B, seq, counts, hardware, cores, procs, fsdp=fsdp, tensor=T, context=C, **layout
         )
 
     modelled_original = modelled(P, D, original_counts, nprocs)
@@ -280,13 +283,14 @@ def choose_recovery(
         """Predicted per-device bytes of the run's policy on this layout (the ledger; no compile). A
         generated policy (chronos-*) is made again for the layout, as the relaunched run makes it."""
         shape = dict(batch=B, seq=seq, fsdp=fsdp, tensor=T, layer_counts=list(counts), hardware=hardware, **layout)
+        shape["context"] = C
         schedule = schedule_for(stages)
         if config.policy in GENERATED_POLICIES:
             return evaluate(model, schedule, config.policy, budget=config.budget, data=data, **shape).device_bytes
         return estimate(model, schedule, config.policy, data_parallel=data, **shape).device_bytes
 
     def add(name, stages, data, counts, runnable=True, note="", schedule=None, fsdp=F, nprocs_new=None):
-        devices = stages * data * fsdp * T
+        devices = stages * data * fsdp * C * T
         available = devices_left if nprocs_new is None else nprocs_new * devices_per_proc
         if stages < 1 or data < 1 or B % (data * fsdp * M) or (schedule is None and devices > available):
             return
@@ -320,34 +324,45 @@ def choose_recovery(
                 fsdp=fsdp,
                 tensor=T,
                 device_bytes=held,
+                context=C,
             )
         )
 
     if spares >= len(failed):
         add("restart-on-spares", P, D, original_counts, note=f"{len(failed)} spare(s) take over", nprocs_new=nprocs)
     # Devices per process are the unit that fails; plans use whole processes. Device i of the mesh
-    # (data, fsdp, pipe, tensor; tensor innermost) belongs to replica i // (P T), numbered data-major:
-    # a lost device takes its whole fsdp group (the group's parameter shards) with it.
+    # (data, fsdp, pipe, context, tensor; tensor innermost) belongs to replica i // (F P C T), numbered
+    # data-major: a lost device takes its whole fsdp group (the group's parameter shards) with it.
     lost_devices = {r * devices_per_proc + k for r in failed for k in range(devices_per_proc)}
-    lost_groups = {d // (P * T * F) for d in lost_devices if d < P * T * F * D}
+    group = P * C * T * F
+    lost_groups = {d // group for d in lost_devices if d < group * D}
     if D > 1:
         d_new = D - max(len(lost_groups), 1)
         add("shrink-data-parallel", P, d_new, original_counts, note=f"data {D} -> {d_new}")
     for f_new in range(F - 1, 0, -1):
-        if D * f_new * P * T <= devices_left and not B % (D * f_new * M):
+        if D * f_new * P * C * T <= devices_left and not B % (D * f_new * M):
             add("shrink-fsdp", P, D, original_counts, fsdp=f_new, note=f"fsdp {F} -> {f_new}")
             break
     for p_new in range(P - 1, 0, -1):
         for d_new in range(D, 0, -1):
             stages_new = schedule_for(p_new).num_stages
-            if p_new * d_new * F * T <= devices_left and layers >= stages_new:
+            if p_new * d_new * F * C * T <= devices_left and layers >= stages_new:
                 counts = split(stages_new)
                 add("re-partition", p_new, d_new, counts, note=f"pipe {P} -> {p_new}, layers {list(counts)}")
                 break
         if any(c.name == "re-partition" for c in candidates):
             break
     one_stage_per_rank = schedule_for(P).num_stages == P
-    if D == 1 and F == 1 and T == 1 and len(failed) == 1 and P > 1 and devices_per_proc == 1 and one_stage_per_rank:
+    if (
+        D == 1
+        and F == 1
+        and C == 1
+        and T == 1
+        and len(failed) == 1
+        and P > 1
+        and devices_per_proc == 1
+        and one_stage_per_rank
+    ):
         rerouted = _reroute_schedule(schedule_name, P, M, failed[0] % P)
         add(
             "reroute",
@@ -376,7 +391,8 @@ def choose_recovery(
             )
         raise RecoveryError(
             f"{survivors} surviving process(es) x {devices_per_proc} device(s) cannot run this job: it needs at "
-            f"least {M} microbatches' worth of batch and {T * F} device(s) per pipeline stage (tensor x fsdp); the "
-            f"smallest runnable configuration is P=1, D=1 on {T * F} device(s) with batch divisible by {M * F}"
+            f"least {M} microbatches' worth of batch and {C * T * F} device(s) per pipeline stage (context x tensor "
+            f"x fsdp); the smallest runnable configuration is P=1, D=1 on {C * T * F} device(s) with batch "
+            f"divisible by {M * F}"
         )
     return Recovery(choice, tuple(candidates), devices_left, remaining)

@@ -926,26 +926,30 @@ class ModelFacts:
                 if len(devices) < tensor:
                     return None
                 mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
+            from jaxmem.models import tensor_mesh
+
             mb = WORKSET_MICROBATCH
             fn = self._stage_fn(first, last, fams, policy, vocab)
-            stage = self._stage_params(fams)
-            x, batch, shared = self.message(mb, seq), self.batch(mb, seq), self._stage_shared(vocab)
-            plan = analyze_stage(fn, stage, shared, x, batch, stash_to_host=policy.offload_stash)
-            if mesh is not None:
-                stage, shared = self._tensor_placed(stage, shared, mesh, vocab)
-            if split:
-                lowered = _lower_split(
-                    plan,
-                    stage,
-                    shared,
-                    x,
-                    batch,
-                    input_grad=not (first and not vocab),
-                    hand_recomputed=split == "hand",
-                    mesh=mesh,
-                )
-            else:
-                lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
+            # (an attention kernel splits over the tensor axis as in the step: _per_tensor_shard)
+            with tensor_mesh(mesh if tensor > 1 else None):
+                stage = self._stage_params(fams)
+                x, batch, shared = self.message(mb, seq), self.batch(mb, seq), self._stage_shared(vocab)
+                plan = analyze_stage(fn, stage, shared, x, batch, stash_to_host=policy.offload_stash)
+                if mesh is not None:
+                    stage, shared = self._tensor_placed(stage, shared, mesh, vocab)
+                if split:
+                    lowered = _lower_split(
+                        plan,
+                        stage,
+                        shared,
+                        x,
+                        batch,
+                        input_grad=not (first and not vocab),
+                        hand_recomputed=split == "hand",
+                        mesh=mesh,
+                    )
+                else:
+                    lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
             options = _working_options(self.platform)
             temps = [_temporaries(part, options) for part in lowered]
             cache[key] = max(temps) / mb

@@ -28,6 +28,7 @@ from jaxmem.models._interface import microbatch_key as microbatch_key
 from jaxmem.models._interface import named_softmax as named_softmax
 from jaxmem.models._interface import stage_key as stage_key
 from jaxmem.models._interface import synthetic_batch as synthetic_batch
+from jaxmem.models._interface import tensor_mesh as tensor_mesh
 from jaxmem.models._interface import token_loss as token_loss
 from jaxmem.models._interface import traced_for as traced_for
 from jaxmem.models._registry import PRESETS as PRESETS

@@ -51,6 +51,7 @@ __all__ = [
     "make_batch",
     "named_softmax",
     "token_loss",
+    "tensor_mesh",
     "traced_for",
 ]
 
@@ -151,17 +152,21 @@ def traced_for(fn: Callable, platform: str | None) -> Callable:
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention of ``q`` ``[batch, seq, heads, head_dim]`` over ``k``, ``v`` ``[batch, seq,
-    kv_heads, head_dim]`` (grouped-query when ``kv_heads < heads``) as one op:
-    :func:`jax.nn.dot_product_attention`. Compiled for a GPU (traced inside
-    :func:`attention_platform` ``("gpu")``, as jaxmem's executor and ledger trace for the devices they
-    compile for) it is cuDNN's flash attention when the inputs are 16-bit (cuDNN takes no float32),
-    with ``nvidia-cudnn-cu12`` (``pip install 'jaxmem[cuda]'``); elsewhere XLA's own ops. On a
-    ``context`` axis it attends this device's queries to every device's keys and values
-    (:func:`~jaxmem.models.context_kv`) under :func:`~jaxmem.models.causal_mask` (cuDNN's kernel
-    with the mask, on a GPU). Its s x s probabilities are never kept for the backward: the op is
-    rematerialised as a whole (``jax.checkpoint`` saving nothing inside), so the backward reads only
-    ``q``, ``k``, ``v``, as a flash kernel does, which recomputes the probabilities blockwise. The
-    price: one more attention forward in the backward.
+    kv_heads, head_dim]`` (grouped-query when ``kv_heads < heads``) as one op, a flash kernel where the
+    target has one. Compiled for a GPU (traced inside :func:`attention_platform` ``("gpu")``, as
+    jaxmem's executor and ledger trace for the devices they compile for) it is cuDNN's flash attention
+    when the inputs are 16-bit (cuDNN takes no float32), with ``nvidia-cudnn-cu12`` (``pip install
+    'jaxmem[cuda]'``). Compiled for a TPU it is the Pallas flash-attention kernel jax ships
+    (``jax.experimental.pallas.ops.tpu.flash_attention``) where its blocks fit: both sequence lengths
+    multiples of 128 and a head dimension up to 128 or a multiple of it (grouped keys and values
+    repeated to the query heads first). Elsewhere, and on a ``context`` axis of a TPU, XLA's own ops
+    (:func:`jax.nn.dot_product_attention`). On a ``context`` axis it attends this device's queries to
+    every device's keys and values (:func:`~jaxmem.models.context_kv`) under
+    :func:`~jaxmem.models.causal_mask` (cuDNN's kernel with the mask, on a GPU). Its s x s
+    probabilities are never kept for the backward: the op is rematerialised as a whole
+    (``jax.checkpoint`` saving nothing inside), so the backward reads only ``q``, ``k``, ``v``, as a
+    flash kernel does, which recomputes the probabilities blockwise. The price: one more attention
+    forward in the backward.
 
     >>> x = jnp.ones((1, 4, 2, 8))
     >>> fused_attention(x, x[:, :, :1], x[:, :, :1]).shape
@@ -169,8 +174,9 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """
     from jaxmem.models._context import causal_mask, context_kv, context_size
 
+    platform = _ATTENTION_PLATFORM.get()
     implementation = None
-    if _ATTENTION_PLATFORM.get() == "gpu" and jnp.dtype(q.dtype).itemsize == 2:
+    if platform == "gpu" and jnp.dtype(q.dtype).itemsize == 2:
         _require_cudnn()
         implementation = "cudnn"
     if context_size() > 1:  # this device's queries against every device's keys (jaxmem.models._context)
@@ -178,9 +184,147 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         # cuDNN takes the chunked sequence's mask as its own (a bias); XLA's ops build the scores.
         mask = causal_mask(q.shape[1], k.shape[1])[None, None]
         attend = functools.partial(jax.nn.dot_product_attention, mask=mask, implementation=implementation)
+    elif platform == "tpu" and _tpu_flash_fits(q, k):
+        implementation = "pallas"
+        attend = _tpu_flash_attention
     else:
         attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
-    return jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)(q, k, v)
+    attend = jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)
+    if implementation is not None:  # a kernel: run per tensor shard (see _per_tensor_shard)
+        return _per_tensor_shard(attend, q, k, v)
+    return attend(q, k, v)
+
+
+TPU_FLASH_BLOCK = 128  # the Pallas TPU flash kernel's default block (and its lane width)
+
+
+def _tpu_flash_fits(q: jax.Array, k: jax.Array) -> bool:
+    """The Pallas TPU flash kernel takes these shapes with its default blocks of 128: both lengths whole
+    blocks, and a head dimension of at most one block or whole blocks."""
+    head_dim = q.shape[-1]
+    lengths = (q.shape[1], k.shape[1])
+    return all(n % TPU_FLASH_BLOCK == 0 for n in lengths) and (
+        head_dim <= TPU_FLASH_BLOCK or not head_dim % TPU_FLASH_BLOCK
+    )
+
+
+def _tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention by jax's Pallas TPU flash kernel (heads-major inside, grouped keys and values
+    repeated up to the query heads), run outside ``shard_map``'s check of varying axes
+    (:func:`_outside_vma_check`): the kernel's outputs carry no such typing."""
+    from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+
+    def attend(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        if group > 1:
+            k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+        heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+        out = flash_attention(*map(heads_major, (q, k, v)), causal=True, sm_scale=q.shape[-1] ** -0.5)
+        return heads_major(out)
+
+    return _outside_vma_check(attend)(q, k, v)
+
+
+def _outside_vma_check(fn: Callable) -> Callable:
+    """``fn`` (arrays to an array) traced with ``shard_map``'s varying-axes check off, its result (and in
+    the backward, its inputs' cotangents) typed as varying where its first input (its inputs) vary.
+
+    A Pallas kernel's ``pallas_call`` refuses to be traced under the check ("``manual_axis_type`` on
+    ``jax.ShapeDtypeStruct`` must not be ``None``"), as jax's own TPU flash kernel is written, and
+    jaxmem's step is a checked ``shard_map``. The kernel's math is per device whatever the typing, so
+    it runs with the check off; its backward is its own ``jax.vjp`` recomputing the forward (the
+    saving-nothing rematerialisation :func:`fused_attention` asks for anyway), so the casts back are
+    never transposed."""
+    from jax._src import config as jax_config
+
+    @contextlib.contextmanager
+    def unchecked():
+        with jax_config._check_vma(False), jax_config.disable_bwd_checks(True):
+            yield
+
+    def vma(x) -> frozenset:  # (as jaxmem.pipeline.varying_axes: jax 0.10 spells it manual_axis_type.varying)
+        aval = jax.typeof(x)
+        mat = getattr(aval, "manual_axis_type", None)
+        return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+    def typed(x, want: frozenset):
+        return jax.lax.pcast(x, tuple(sorted(want - vma(x))), to="varying") if want - vma(x) else x
+
+    # The inputs' varying axes ride along as a static argument: the backward's residuals need not
+    # carry them.
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def run(axes, *args):
+        with unchecked():
+            out = fn(*args)
+        return typed(out, axes[0])
+
+    def run_fwd(axes, *args):
+        return run(axes, *args), args
+
+    def untyped(x):
+        # Two casts to its own dtype (weak, then as it was), traced with the check off: the value typed
+        # as the kernel's output is (varying over no axis), and no operation in the program.
+        from jax._src.lax import lax as lax_internal
+
+        weak = jax.typeof(x).weak_type
+        x = lax_internal._convert_element_type(x, x.dtype, weak_type=not weak)
+        return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
+
+    def run_bwd(axes, args, g):
+        with unchecked():
+            grads = jax.vjp(fn, *args)[1](untyped(g))
+        return tuple(typed(d, want) for d, want in zip(grads, axes))
+
+    run.defvjp(run_fwd, run_bwd)
+    return lambda *args: run(tuple(vma(a) for a in args), *args)
+
+
+def _per_tensor_shard(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``attend(q, k, v)`` run on each tensor shard's own heads, where the mesh it is traced on has a
+    tensor axis left to XLA's partitioner (jaxmem's: data, fsdp, pipe, context are manual).
+
+    cuDNN's attention partitions itself through a ``custom_partitioning`` rule, which in jax 0.10.2
+    fails inside a partly manual program ("'GSPMDSharding' object has no attribute 'spec'"): compiled
+    for an H100 with a tensor axis the step did not build. Attention is independent per head and the
+    tensor axis splits whole heads (Megatron's split), so running the kernel in a ``shard_map`` over the
+    tensor axis computes the same thing without asking the partitioner. (The Pallas kernel on a TPU has
+    no partitioning rule at all: the same.) Grouped keys and values fewer than the tensor shards are
+    repeated up to one per shard first (each shard's query heads share one group when the shards
+    divide the groups)."""
+    mesh, concrete = jax.sharding.get_abstract_mesh(), None
+    if mesh.empty and _TENSOR_MESH.get() is not None:  # traced in a plain jit over a tensor mesh
+        concrete = _TENSOR_MESH.get()
+        mesh = concrete.abstract_mesh
+    tensor = "tensor"
+    if mesh.empty or tensor not in mesh.axis_names or tensor in mesh.manual_axes or mesh.shape[tensor] == 1:
+        return attend(q, k, v)
+    shards, heads, kv_heads = mesh.shape[tensor], q.shape[2], k.shape[2]
+    if heads % shards or (kv_heads % shards and shards % kv_heads):
+        raise JaxmemError(
+            f"fused attention over a tensor axis of {shards} needs heads ({heads}) and key/value heads "
+            f"({kv_heads}) that it divides or that divide it; choose another --tensor"
+        )
+    if kv_heads < shards:
+        k, v = (jnp.repeat(x, shards // kv_heads, axis=2) for x in (k, v))
+    spec = jax.sharding.PartitionSpec(None, None, tensor, None)
+    return jax.shard_map(attend, mesh=concrete, in_specs=(spec, spec, spec), out_specs=spec, axis_names={tensor})(
+        q, k, v
+    )
+
+
+_TENSOR_MESH: contextvars.ContextVar = contextvars.ContextVar("jaxmem_tensor_mesh", default=None)
+
+
+@contextlib.contextmanager
+def tensor_mesh(mesh):
+    """Within the block, a kernel :func:`fused_attention` runs is split over ``mesh``'s ``tensor`` axis
+    (as inside jaxmem's step) when traced in a plain ``jax.jit`` over that mesh: the ledger compiles a
+    stage's working set so (:mod:`jaxmem.memory`). None: no mesh."""
+    token = _TENSOR_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _TENSOR_MESH.reset(token)
 
 
 def _require_cudnn() -> None:

@@ -366,6 +366,7 @@ class AdaptiveProfiler:
             data_parallel=base.data,
             fsdp=base.fsdp,
             tensor=base.tensor,
+            context=base.context,
             zero=base.zero,
             vocab_parallel=base.vocab is not None,
             layer_counts=base.layer_counts,

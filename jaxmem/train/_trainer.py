@@ -412,11 +412,15 @@ class Trainer:
                 # A TPU's compiler refuses a program beyond the chip's memory (XLA's words kept).
                 reason = str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0]
                 device = self.mesh.devices.flat[0]
+                policy = self.pipeline.policy.policy
+                specs = [policy.default, *(sp for *_, sp in (*policy.stages, *policy.microbatch, *policy.cells))]
+                specs += [sp for *_, sp in policy.stage_microbatch]
+                # A step that already recomputes every stage is not told to recompute.
+                kind = "an offload" if all(sp.base == "recompute-all" for sp in specs) else "a recompute or offload"
                 raise StepTooLarge(
                     f"the step does not fit {getattr(device, 'device_kind', device.platform)}: its compiler says "
-                    f"{reason!r}. Plan under the chip's memory (jaxmem plan --budget ... --target ...), or use a "
-                    "recompute or offload policy, more pipeline stages or smaller microbatches, or a chip with "
-                    "more memory",
+                    f"{reason!r}. Plan under the chip's memory (jaxmem plan --budget ... --target ...), or use "
+                    f"{kind} policy, more pipeline stages or smaller microbatches, or a chip with more memory",
                     needed,
                 ) from None
         return self._compiled
