@@ -1,7 +1,7 @@
 """Did this release move a headline figure? Rerun each system's key figure at a small stated size and
 compare it with its record; and say which records are older than a change to the code they measure.
 
-    python benchmarks/check.py              # every check (30-40 minutes on the 2-core machine)
+    python benchmarks/check.py              # every check (35-45 minutes on the 2-core machine)
     python benchmarks/check.py --stale      # only the records' age against their code (seconds, no runs)
     python benchmarks/check.py --only elastic,profiler [--json]
 
@@ -69,7 +69,9 @@ def _overhead(report: dict) -> float:
 
 
 ROAM_GRAPH = "tiny accumulated x4 (batch 4 each, seq 64)"
-PROFILER_RUN = ("profiler.py", "--repeats", "1")
+# Two repeats: one repeat's overhead spreads over 14 points on this machine (the record's three: +10.9%,
+# -1.6%, -3.1%, the first with 26 s of exploring compiles in the background), wider than the bar.
+PROFILER_RUN = ("profiler.py", "--repeats", "2")
 PROFILER_CODE = ("jaxmem/profiler", "jaxmem/memory", "jaxmem/train", "benchmarks/profiler.py")
 
 CHECKS = (
@@ -94,8 +96,8 @@ CHECKS = (
         tolerance=0.07,
         bar=("<=", 0.10),
         depends=PROFILER_CODE,
-        minutes=5,
-        what="the adaptive run's time over the plain loop through the same programs, minus 1",
+        minutes=10,
+        what="the adaptive run's time over the plain loop through the same programs, minus 1 (mean of repeats)",
     ),
     Check(
         "profiler steady steps vs largest static policy",
