@@ -282,8 +282,9 @@ def choose_recovery(
     def device_bytes(stages, data, fsdp, counts):
         """Predicted per-device bytes of the run's policy on this layout (the ledger; no compile). A
         generated policy (chronos-*) is made again for the layout, as the relaunched run makes it."""
-        shape = dict(batch=B, seq=seq, fsdp=fsdp, tensor=T, layer_counts=list(counts), hardware=hardware, **layout)
-        shape["context"] = C
+        shape = dict(
+            batch=B, seq=seq, fsdp=fsdp, tensor=T, context=C, layer_counts=list(counts), hardware=hardware, **layout
+        )
         schedule = schedule_for(stages)
         if config.policy in GENERATED_POLICIES:
             return evaluate(model, schedule, config.policy, budget=config.budget, data=data, **shape).device_bytes

@@ -918,6 +918,7 @@ class ModelFacts:
         if key not in cache:
             import jax
 
+            from jaxmem.models import tensor_mesh
             from jaxmem.pipeline import analyze_stage
 
             mesh = None
@@ -926,8 +927,6 @@ class ModelFacts:
                 if len(devices) < tensor:
                     return None
                 mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
-            from jaxmem.models import tensor_mesh
-
             mb = WORKSET_MICROBATCH
             fn = self._stage_fn(first, last, fams, policy, vocab)
             # (an attention kernel splits over the tensor axis as in the step: _per_tensor_shard)
