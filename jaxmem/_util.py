@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -21,6 +22,7 @@ __all__ = [
     "compiled_temp_bytes",
     "cpu_cores",
     "die_with_launcher",
+    "unvarying",
     "first_device",
     "human_bytes",
     "import_named",
@@ -31,6 +33,8 @@ __all__ = [
     "platform_of",
     "tree_with",
     "tree_without",
+    "varying_axes",
+    "vma_check_off",
     "with_host_devices",
 ]
 
@@ -410,3 +414,42 @@ def compiled_bytes(compiled) -> int:
         + analysis.output_size_in_bytes
         - analysis.alias_size_in_bytes
     )
+
+
+# ------------------------------------------------------------------ shard_map's varying-axes typing
+def varying_axes(x) -> frozenset:
+    """The mesh axes along which ``x`` (an array or its abstract value) varies inside ``shard_map``
+    (jax 0.10 spells it ``manual_axis_type.varying``)."""
+    import jax
+
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+@contextlib.contextmanager
+def vma_check_off():
+    """Trace without JAX's check of the mesh axes each value varies over (``check_vma``) inside a
+    ``shard_map``, and without the pullback's check of each cotangent's type against its primal's
+    (the types inside are not kept consistent, so neither is that check). jax 0.10.2 offers no public
+    switch for either. Used by jaxmem's step for a stage's actions (``jaxmem.pipeline``) and by
+    :func:`jaxmem.models.fused_attention` around a Pallas kernel written without the typing."""
+    from jax._src import config as jax_config
+
+    switch = getattr(jax_config, "_check_vma", None)
+    with contextlib.ExitStack() as stack:
+        if switch is not None:
+            stack.enter_context(switch(False))
+            stack.enter_context(jax_config.disable_bwd_checks(True))
+        yield
+
+
+def unvarying(x):
+    """``x`` typed as a value computed inside :func:`vma_check_off` is (varying over no axis): two casts
+    to its own dtype (weak, then as it was), no operation in the program."""
+    import jax
+    from jax._src.lax import lax as lax_internal
+
+    weak = jax.typeof(x).weak_type
+    x = lax_internal._convert_element_type(x, x.dtype, weak_type=not weak)
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)

@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmem._errors import JaxmemError, setting
 from jaxmem._util import tree_with as _with
 from jaxmem._util import tree_without as _without
+from jaxmem._util import unvarying, varying_axes, vma_check_off
 from jaxmem.policy import TagSet
 
 __all__ = [
@@ -235,48 +236,29 @@ def _outside_vma_check(fn: Callable) -> Callable:
     it runs with the check off; its backward is its own ``jax.vjp`` recomputing the forward (the
     saving-nothing rematerialisation :func:`fused_attention` asks for anyway), so the casts back are
     never transposed."""
-    from jax._src import config as jax_config
-
-    @contextlib.contextmanager
-    def unchecked():
-        with jax_config._check_vma(False), jax_config.disable_bwd_checks(True):
-            yield
-
-    def vma(x) -> frozenset:  # (as jaxmem.pipeline.varying_axes: jax 0.10 spells it manual_axis_type.varying)
-        aval = jax.typeof(x)
-        mat = getattr(aval, "manual_axis_type", None)
-        return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
     def typed(x, want: frozenset):
-        return jax.lax.pcast(x, tuple(sorted(want - vma(x))), to="varying") if want - vma(x) else x
+        missing = want - varying_axes(x)
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
     # The inputs' varying axes ride along as a static argument: the backward's residuals need not
     # carry them.
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def run(axes, *args):
-        with unchecked():
+        with vma_check_off():
             out = fn(*args)
         return typed(out, axes[0])
 
     def run_fwd(axes, *args):
         return run(axes, *args), args
 
-    def untyped(x):
-        # Two casts to its own dtype (weak, then as it was), traced with the check off: the value typed
-        # as the kernel's output is (varying over no axis), and no operation in the program.
-        from jax._src.lax import lax as lax_internal
-
-        weak = jax.typeof(x).weak_type
-        x = lax_internal._convert_element_type(x, x.dtype, weak_type=not weak)
-        return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
-
     def run_bwd(axes, args, g):
-        with unchecked():
-            grads = jax.vjp(fn, *args)[1](untyped(g))
+        with vma_check_off():  # (the cotangent typed as the kernel's output is)
+            grads = jax.vjp(fn, *args)[1](unvarying(g))
         return tuple(typed(d, want) for d, want in zip(grads, axes))
 
     run.defvjp(run_fwd, run_bwd)
-    return lambda *args: run(tuple(vma(a) for a in args), *args)
+    return lambda *args: run(tuple(varying_axes(a) for a in args), *args)
 
 
 def _per_tensor_shard(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

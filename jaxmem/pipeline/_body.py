@@ -15,7 +15,6 @@ Three parts, each built where its inputs are known:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError
-from jaxmem._util import platform_of
+from jaxmem._util import platform_of, unvarying, varying_axes, vma_check_off
 from jaxmem.models import microbatch_key, stage_key
 from jaxmem.pipeline import _vocab
 from jaxmem.pipeline._cut import CutArena, as_rows
@@ -41,13 +40,6 @@ __all__ = ["StepBody", "to_device", "vary", "vary_like", "vary_tree", "varying_a
 # Buffers smaller than this are left for XLA to copy when a cond's other side hands them back
 # (messages, loss totals): what a copy costs is nothing beside an action's work.
 _TOUCHED_BYTES = 1 << 16
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes along which ``x`` varies inside ``shard_map`` (jax 0.10 spells it ``mat.varying``)."""
-    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def manual_axes() -> tuple[str, ...]:
@@ -73,40 +65,25 @@ def vary_tree(tree):
     return jax.tree.map(vary, tree)
 
 
-def _bare(x: jax.Array) -> jax.Array:
-    """``x`` typed as a value computed inside :func:`unchecked` is (varying over no axis), so every
-    value an action's stage math reads and makes is typed alike (JAX's own sums of cotangents
-    assert it). Two casts to its own dtype (weak, then as it was): no operation in the program."""
-    weak = jax.typeof(x).weak_type
-    from jax._src.lax import lax as lax_internal
-
-    x = lax_internal._convert_element_type(x, x.dtype, weak_type=not weak)
-    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
+# A value typed as one computed inside unchecked is (varying over no axis), so every value an
+# action's stage math reads and makes is typed alike (JAX's own sums of cotangents assert it).
+_bare = unvarying
 
 
 def _bare_tree(tree):
     return jax.tree.map(_bare, tree)
 
 
-@contextlib.contextmanager
 def unchecked():
     """Trace without JAX's check of the mesh axes each value varies over (``check_vma``), inside the
-    step's ``shard_map``. A stage's actions run in it: every input they read is marked varying over
-    every axis (:func:`vary`), so the types carry no information there, and a model's own code may
-    then start a ``lax.scan`` carry from a constant (``jnp.zeros``), as it may outside a
-    ``shard_map``, without the ``pcast`` to jaxmem's axes JAX would otherwise ask for. What an action
-    hands back is typed again as it came in (:func:`_Run.branch`); nothing is differentiated across
-    that edge (a stage's backward is its own traced pullback, run inside the action)."""
-    from jax._src import config as jax_config
-
-    switch = getattr(jax_config, "_check_vma", None)
-    with contextlib.ExitStack() as stack:
-        if switch is not None:
-            stack.enter_context(switch(False))
-            # ... and the pullback's check of each cotangent's type against its primal's: the types
-            # inside are not kept consistent, so neither is that check
-            stack.enter_context(jax_config.disable_bwd_checks(True))
-        yield
+    step's ``shard_map`` (:func:`jaxmem._util.vma_check_off`). A stage's actions run in it: every input
+    they read is marked varying over every axis (:func:`vary`), so the types carry no information
+    there, and a model's own code may then start a ``lax.scan`` carry from a constant (``jnp.zeros``),
+    as it may outside a ``shard_map``, without the ``pcast`` to jaxmem's axes JAX would otherwise ask
+    for. What an action hands back is typed again as it came in (:func:`_Run.branch`); nothing is
+    differentiated across that edge (a stage's backward is its own traced pullback, run inside the
+    action)."""
+    return vma_check_off()
 
 
 def to_device(tree):
