@@ -25,7 +25,16 @@ from jaxmem.models import StagedModel, get_model, microbatch_key, synthetic_batc
 from jaxmem.pipeline import Pipeline, batch_size, make_mesh
 from jaxmem.schedule import Schedule, validate
 
-__all__ = ["ATOL", "RTOL", "Tolerance", "plain_value_and_grad", "tolerance_for", "verification_model", "verify"]
+__all__ = [
+    "ATOL",
+    "RTOL",
+    "Tolerance",
+    "carried_mean",
+    "plain_value_and_grad",
+    "tolerance_for",
+    "verification_model",
+    "verify",
+]
 
 # float32 tolerances for composite code (see the module docstring).
 RTOL = 1e-5
@@ -92,16 +101,19 @@ def reference_loss(
     A model that draws random numbers needs ``rng`` (the step's key) and the pipeline's shape
     (``layer_counts``, ``microbatches``, ``data_parallel``): each microbatch is then run on its own
     with the keys a pipeline stage draws, and the loss is the sum over microbatches divided by the
-    counted tokens, as in the pipeline.
+    counted tokens, as in the pipeline. So is a model that carries state (BatchNorm's statistics,
+    :attr:`~jaxmem.models.StagedModel.carried`): each microbatch normalizes by its own statistics, as
+    in the pipeline, and the gradient at a carried leaf is the sum of what every microbatch wrote
+    (:func:`carried_mean` makes it the step's new state).
     """
     drop_layers = frozenset(drop_layers)
-    if rng is None and not drop_layers:
+    if rng is None and not drop_layers and not model.carried:
         return model.plain_loss
     counts = list(layer_counts or [model.n_layers])
     starts = [sum(counts[:s]) for s in range(len(counts))]
     stages = [range(start, start + n) for start, n in zip(starts, counts)]
 
-    if rng is None:
+    if rng is None and not model.carried:
 
         def loss(params, batch):
             loss_sum, weight = model.stage_sums(params, batch, stages, drop_layers)
@@ -117,12 +129,26 @@ def reference_loss(
             for m in range(microbatches):
                 rows = slice((d * microbatches + m) * mb, (d * microbatches + m + 1) * mb)
                 micro = {k: v[rows] for k, v in batch.items()}
-                micro["rng"] = microbatch_key(rng, d, m, microbatches)
+                if rng is not None:
+                    micro["rng"] = microbatch_key(rng, d, m, microbatches)
                 loss_sum, w = model.stage_sums(params, micro, stages, drop_layers)
                 total, weight = total + loss_sum, weight + w
         return total / weight
 
     return loss
+
+
+def carried_mean(model: StagedModel, grads, count: int):
+    """``grads`` (the model's own tree) with every carried leaf divided by ``count``: from the sum of
+    what ``count`` microbatches wrote (:func:`reference_loss`) to the pipeline's new state."""
+    if not model.carried:
+        return grads
+    layers, shared = model.split(grads)
+    layers = [
+        jax.tree_util.tree_map_with_path(lambda at, g: g / count if model.is_carried(at) else g, layer)
+        for layer in layers
+    ]
+    return model.join(layers, shared)
 
 
 def plain_value_and_grad(model, params, batch, drop_layers=frozenset(), **kwargs):
@@ -218,10 +244,11 @@ def verify(
             "microbatches": schedule.num_microbatches,
             "data_parallel": replicas,
         }
-        if rng is not None
+        if rng is not None or model.carried
         else {}
     )
     loss_plain, grads_plain = plain_value_and_grad(model, params, batch, drop_layers, **shape)
+    grads_plain = carried_mean(model, grads_plain, replicas * schedule.num_microbatches)
     loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), batch, rng)
     # On the host first: with the optimizer state offloaded the gradients come back in pinned host
     # memory, where eager indexing is not supported.

@@ -215,8 +215,8 @@ class BufferLM(nnx.Module):
 
 
 def buffers(running: bool = True):
-    """With ``running`` (BatchNorm's statistics fixed) every non-parameter is a constant; without,
-    BatchNorm writes its statistics in every forward."""
+    """With ``running`` (BatchNorm's statistics fixed) they are read, never written; without,
+    BatchNorm writes them in every forward, and the step carries them to the next."""
     return from_nnx(
         lambda rngs: BufferLM(rngs, running),
         layers="blocks",
@@ -224,6 +224,51 @@ def buffers(running: bool = True):
         head_loss=lambda m, x, batch: token_loss(m.head(x), batch),
         tags=("hidden",),
         name="user-buffers",
+        vocab_size=VOCAB,
+        max_seq_len=64,
+    )
+
+
+batchnorm = buffers(running=False)  # for the command line: round2_models:batchnorm
+
+
+class CountingBlock(nnx.Module):
+    """A layer that counts its calls in a plain ``nnx.Variable``: state no step can carry."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.calls = nnx.Variable(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1
+        return x + jnp.tanh(self.lin(x))
+
+
+class CountingLM(nnx.Module):
+    def __init__(self, rngs):
+        self.tok = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([CountingBlock(rngs) for _ in range(4)])
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+
+class NormedHeadLM(nnx.Module):
+    """BatchNorm outside the repeated layers, before the head."""
+
+    def __init__(self, rngs):
+        self.tok = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(D, D, rngs=rngs) for _ in range(4)])
+        self.norm = nnx.BatchNorm(D, rngs=rngs)
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+
+def lm_of(factory, name: str, head=lambda m, x: m.head(x)):
+    return from_nnx(
+        factory,
+        layers="blocks",
+        embed=lambda m, batch: m.tok(batch["tokens"]),
+        head_loss=lambda m, x, batch: token_loss(head(m, x), batch),
+        tags=(),
+        name=name,
         vocab_size=VOCAB,
         max_seq_len=64,
     )

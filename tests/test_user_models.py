@@ -8,7 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from round2_models import buffers, dropout_gpt, mingru
+from round2_models import CountingLM, NormedHeadLM, batchnorm, buffers, dropout_gpt, lm_of, mingru
 
 from jaxmem import JaxmemError
 from jaxmem.cli import main
@@ -106,12 +106,70 @@ def test_a_model_with_a_batch_of_its_own_on_verify_memory_and_plan(capsys):
 def test_state_other_than_parameters_is_held_as_constants_and_a_write_is_refused():
     """Before: a constant nnx.Variable buffer was refused with no way out and a plain array attribute
     gave UnexpectedTracerError. Both are now constants of the model's code (as is a BatchNorm whose
-    statistics are fixed); BatchNorm in training mode writes its statistics every forward, which a
-    step would lose: refused, with the norms that need no statistics named."""
+    statistics are fixed). State a layer writes that no step can carry (a plain nnx.Variable), and
+    BatchNorm outside the repeated layers, are refused with the way out."""
     result = verify(generate("1f1b", 2, 4), model=buffers(running=True), policy="recompute-all")
     assert result["ok"] and result["max_rel_diff"] < 1e-5, result
-    with pytest.raises(JaxmemError, match=r"\['norm'\]\['mean'\].*written by a layer.*nnx.LayerNorm"):
-        verify(generate("1f1b", 2, 4), model=buffers(running=False))
+    with pytest.raises(JaxmemError, match=r"\['calls'\].*written by a layer.*declare it nnx.BatchStat"):
+        verify(generate("1f1b", 2, 4), model=lm_of(CountingLM, "user-counting"))
+    normed = lm_of(NormedHeadLM, "user-normed-head", head=lambda m, x: m.head(m.norm(x)))
+    with pytest.raises(JaxmemError, match=r"\['norm'\]\['mean'\].*written by the head.*only inside the repeated"):
+        verify(generate("1f1b", 2, 4), model=normed)
+
+
+@pytest.mark.parametrize(
+    "schedule,kw",
+    [
+        ("zbv", {"data_parallel": 2, "split_backward": True}),
+        ("interleaved-1f1b", {"fsdp": 2, "policy": "selective", "loss_mask": True}),
+    ],
+)
+def test_batchnorm_statistics_are_the_mean_of_what_the_microbatches_wrote(schedule, kw):
+    """Before: BatchNorm in training mode was refused. Its statistics are now carried: each
+    microbatch normalizes by its own, and the step's new statistics (where the gradient of a
+    parameter would be) are the mean of what every microbatch of every replica wrote -- against
+    jax.grad of the model run microbatch by microbatch, whose carry_state hands back the writes.
+    Doubling the new variance fails the check."""
+    model = batchnorm
+    result = verify(generate(schedule, 2, 4), model=model, **kw)
+    assert result["ok"] and result["max_rel_diff"] < 1e-5, result
+
+    def doubled(grads):
+        grads["blocks"][0]["norm"]["var"] = grads["blocks"][0]["norm"]["var"] * 2
+        return grads
+
+    result = verify(generate(schedule, 2, 4), model=model, perturb=doubled, **kw)
+    assert not result["ok"] and "var" in result["first_mismatch"], result
+    with pytest.raises(JaxmemError, match="carries state its layers write.*context axis"):
+        verify(generate("1f1b", 2, 4), model=model, context=2)
+
+
+def test_batchnorm_trains_from_the_command_line_and_its_statistics_survive_a_checkpoint(tmp_path, capsys):
+    """Two steps, a checkpoint, two more equal four in one go, bit for bit -- the held-out loss too,
+    which normalizes by the carried statistics: restored, not started again. The statistics moved
+    from BatchNorm's start (mean 0, variance 1)."""
+    flags = ["--model", "round2_models:batchnorm", *DROP_FLAGS[2:]]
+
+    def train(*more):
+        assert main(["train", *flags, *more]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    whole = train("--steps", "4", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
+    first = train("--steps", "2", "--checkpoint-dir", str(tmp_path / "b"), "--checkpoint-every", "2")
+    rest = train("--steps", "4", "--checkpoint-dir", str(tmp_path / "b"), "--checkpoint-every", "2")
+    assert rest["resumed_from"] == 2
+    assert first["losses"] + rest["losses"] == whole["losses"] and all(np.isfinite(whole["losses"]))
+    assert whole["eval_losses"] == first["eval_losses"] + rest["eval_losses"][-1:]
+
+    config = TrainConfig(model=batchnorm, pipe=2, microbatches=2, batch_size=4, seq_len=16, steps=1)
+    trainer = Trainer(config, devices=jax.devices()[:2])
+    state = trainer.init_state()
+    batch = trainer.put_batch(state.data.next()[0])
+    before = trainer.pipeline.to_model_params(jax.device_get(state.params))["blocks"][0]["norm"]
+    params, _, _ = trainer.step_fn(state.params, state.opt_state, batch)  # (state's arrays donated)
+    norm = trainer.pipeline.to_model_params(jax.device_get(params))["blocks"][0]["norm"]
+    assert np.all(before["mean"] == 0) and np.all(before["var"] == 1)
+    assert np.all(norm["mean"] != 0) and np.all(norm["var"] != 1) and np.all(norm["var"] > 0)
 
 
 def test_the_ledger_holds_when_stages_recompute_their_first_layers():

@@ -19,6 +19,7 @@ from jaxmem.models._interface import StagedModel as StagedModel
 from jaxmem.models._interface import VocabParallel as VocabParallel
 from jaxmem.models._interface import attention_platform as attention_platform
 from jaxmem.models._interface import batch_positions as batch_positions
+from jaxmem.models._interface import carry_state as carry_state
 from jaxmem.models._interface import evaluating as evaluating
 from jaxmem.models._interface import from_nnx as from_nnx
 from jaxmem.models._interface import fused_attention as fused_attention

@@ -45,6 +45,7 @@ __all__ = [
     "attention_platform",
     "evaluating",
     "batch_positions",
+    "carry_state",
     "check_config",
     "dtype_name",
     "from_nnx",
@@ -427,6 +428,37 @@ def batch_positions(batch: Mapping, seq: int) -> jax.Array:
     return context_positions(seq)[None, :] if positions is None else positions
 
 
+@jax.custom_vjp
+def carry_state(y, old, written):
+    """``y``, unchanged; and, in the gradient, ``written`` at ``old``: how a layer hands the step
+    state its forward wrote (``old`` the state it read, ``written`` what it wrote in its place; both
+    trees alike). The step sums a carried leaf's "gradient" over its microbatches and replicas and
+    divides by their number, so it ends as the mean of what they wrote (:attr:`StagedModel.carried`).
+    ``y`` and ``old`` take no other gradient through it; ``written`` none (it is state, not a
+    function of the parameters to train). :func:`from_nnx` wraps every layer that holds
+    ``nnx.BatchStat`` in it; a hand-written layer function may too, with its ``carried`` paths.
+
+    >>> import jax.numpy as jnp
+    >>> old, new = jnp.zeros(2), jnp.array([0.5, 1.5])
+    >>> jax.grad(lambda o: carry_state(jnp.ones(3), o, new).sum())(old)
+    Array([0.5, 1.5], dtype=float32)
+    """
+    return y
+
+
+def _carry_fwd(y, old, written):
+    as_old = jax.tree.map(lambda w, o: jnp.asarray(w, o.dtype), written, old)
+    return y, (as_old, jax.tree.map(jnp.zeros_like, written))
+
+
+def _carry_bwd(res, g):
+    as_old, none = res
+    return g, as_old, none
+
+
+carry_state.defvjp(_carry_fwd, _carry_bwd)
+
+
 def token_loss(logits: jax.Array, batch: Mapping) -> tuple[jax.Array, jax.Array]:
     """Next-token cross-entropy ``(loss_sum, weight)`` in float32, masked by ``loss_mask`` if present."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -605,6 +637,11 @@ class StagedModel:
             takes, abstract (what the ledger, the planner and ``jaxmem memory`` trace it with); None:
             int32 ``tokens`` and ``targets`` ``[batch, seq]``, the language models' convention. A
             model whose batch has no sequence (a classifier) may ignore ``seq_len``.
+        carried: paths (key tuples) within a layer's parameter tree of state the layers' forward
+            writes and the step carries to the next (BatchNorm's statistics; :func:`carry_state`):
+            such a leaf is not trained. A step's gradient holds at it the state the step writes --
+            the mean over its microbatches and replicas of what each forward wrote -- which the
+            trainer puts in place of the old (:meth:`is_carried`).
     """
 
     name: str
@@ -628,6 +665,12 @@ class StagedModel:
     batch_spec: Callable[[int, int], dict] | None = None
     layer_kinds: tuple[int, ...] | None = None
     kind_layers: tuple[Callable, ...] | None = None
+    carried: frozenset = frozenset()
+
+    def is_carried(self, path) -> bool:
+        """Whether a leaf at ``path`` (a key path into a layer's tree, or into a stage's stacked one)
+        is carried state (:attr:`carried`), not a parameter."""
+        return bool(self.carried) and tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)) in self.carried
 
     def layer_of_kind(self, kind: int) -> Callable:
         """The layer function of one kind (:attr:`layer_kinds`)."""
@@ -761,6 +804,33 @@ def _get_path(tree, path: tuple[str, ...], what: str):
     return node
 
 
+def _dict_paths(tree) -> list[tuple]:
+    """Each leaf's path in a nested dict, as a tuple of its keys."""
+    return [tuple(k.key for k in at) for at, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _partition(tree, paths: frozenset) -> tuple[dict, dict]:
+    """A nested dict cut in two: the leaves not at ``paths``, and those at them (each a nested dict)."""
+
+    def cut(node, prefix):
+        rest, chosen = {}, {}
+        for key, value in node.items():
+            at = (*prefix, key)
+            if isinstance(value, Mapping):
+                r, c = cut(value, at)
+                if r:
+                    rest[key] = r
+                if c:
+                    chosen[key] = c
+            elif at in paths:
+                chosen[key] = value
+            else:
+                rest[key] = value
+        return rest, chosen
+
+    return cut(tree, ())
+
+
 def _state_paths(state) -> list[str]:
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state)]
 
@@ -800,11 +870,12 @@ class _Constants:
     """Around a call of a :func:`from_nnx` module: refuse the call if it wrote state jaxmem holds as a
     constant (anything but ``nnx.Param``): its writes would be lost, not carried to the next step."""
 
-    def __init__(self, module, what: str):
+    def __init__(self, module, what: str, carried: bool = False):
         from flax import nnx
 
         self.module, self.what = module, what
-        self.before = jax.tree_util.tree_leaves_with_path(nnx.state(module, nnx.Not(nnx.Param)))
+        self.held = nnx.Not(nnx.Any(nnx.Param, nnx.BatchStat)) if carried else nnx.Not(nnx.Param)
+        self.before = jax.tree_util.tree_leaves_with_path(nnx.state(module, self.held))
 
     def __enter__(self):
         return self.module
@@ -819,21 +890,31 @@ class _Constants:
             stats = jax.tree_util.tree_leaves_with_path(nnx.state(self.module, nnx.BatchStat))
             written = [jax.tree_util.keystr(p) for p, _ in stats or self.before]
         else:
-            after = jax.tree.leaves(nnx.state(self.module, nnx.Not(nnx.Param)))
+            after = jax.tree.leaves(nnx.state(self.module, self.held))
             written = [jax.tree_util.keystr(p) for (p, a), b in zip(self.before, after) if a is not b]
         if written:
-            stats = nnx.state(self.module, nnx.BatchStat)
-            hint = (
-                " BatchNorm in training mode updates its running statistics on every forward: use a norm "
-                "without them (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm), or BatchNorm(use_running_average=True) "
-                "to keep them fixed."
-                if jax.tree.leaves(stats)
-                else ""
-            )
+            in_layer = self.what == "a layer"
+            stats = bool(jax.tree.leaves(nnx.state(self.module, nnx.BatchStat)))
+            if in_layer:
+                hint = (
+                    " jaxmem carries nnx.BatchStat state that the repeated layers write (the step keeps the mean "
+                    "of what its microbatches wrote, as for BatchNorm's statistics): declare it nnx.BatchStat if "
+                    "that is the update you want, nnx.Param if it is to be trained, or compute it without writing"
+                )
+            elif stats:
+                hint = (
+                    " BatchNorm's statistics are carried only inside the repeated layers (from_nnx's layers=): "
+                    "move the norm into a layer, use a norm without them (nnx.LayerNorm, nnx.RMSNorm, "
+                    "nnx.GroupNorm), or BatchNorm(use_running_average=True) to keep them fixed"
+                )
+            else:
+                hint = (
+                    " State outside the repeated layers is carried by no step: make it an nnx.Param if it is to "
+                    "be trained, or compute it without writing"
+                )
             raise JaxmemError(
-                f"model state ({', '.join(written[:4])}) is written by {self.what}: jaxmem holds state other than "
-                "nnx.Param as constants and does not carry updates from one step to the next, so the write "
-                f"would be lost.{hint} Or make it an nnx.Param if it is to be trained"
+                f"model state ({', '.join(written[:4])}) is written by {self.what}: jaxmem holds it as a constant "
+                f"of the model's code, so the write would be lost.{hint}"
             )
         return False
 
@@ -898,11 +979,14 @@ def from_nnx(
             takes when it is not the language models' int32 ``tokens``/``targets`` (e.g. a
             classifier's images and labels): the ledger and planner trace the model with it.
 
-    Only ``nnx.Param`` variables are trained. Other state (a buffer ``nnx.Variable``, a plain array
-    attribute, a BatchNorm's fixed statistics) is held as a constant of the model's code, taken from
-    the module built with seed 0 (a factory with such state is built once for real); a forward that
-    writes it (BatchNorm in training mode) is refused where it writes, and RNG streams kept in the
-    module are refused with the variables named (pass ``rng=True`` instead).
+    Only ``nnx.Param`` variables are trained. ``nnx.BatchStat`` state of the layers (BatchNorm's
+    running statistics) is carried from step to step beside the parameters (at its own path in their
+    tree; :attr:`StagedModel.carried`, :func:`carry_state`): each step writes the mean over its
+    microbatches and replicas of what their forwards wrote. Other state (a buffer ``nnx.Variable``, a
+    plain array attribute, statistics outside the layers) is held as a constant of the model's code,
+    taken from the module built with seed 0 (a factory with such state is built once for real); a
+    forward that writes it is refused where it writes, and RNG streams kept in the module are refused
+    with the variables named (pass ``rng=True`` instead).
 
     >>> from flax import nnx
     >>> class Net(nnx.Module):
@@ -950,7 +1034,11 @@ def from_nnx(
     if not layer_modules or not all(isinstance(m, nnx.Module) for m in layer_modules):
         raise JaxmemError(f"from_nnx: {layers!r} holds no layer modules")
 
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    def trained_or_carried(at, value) -> bool:
+        """Parameters, and the layers' BatchNorm statistics (carried from step to step)."""
+        return isinstance(value, nnx.Param) or isinstance(value, nnx.BatchStat) and tuple(at[: len(path)]) == path
+
+    graphdef, params, rest = nnx.split(abstract, trained_or_carried, ...)
     streams = _state_paths(nnx.state(abstract, nnx.RngState))
     if streams:
         raise JaxmemError(
@@ -968,11 +1056,13 @@ def from_nnx(
     layer_graphdefs: list = []
     layer_consts: list = []  # per kind, its layers' constants (the same in every layer of the kind)
     layer_kinds = []
+    layer_carried: list = []  # per kind, the paths of its BatchNorm statistics (carried state)
     for i, module in enumerate(layer_modules):
-        graphdef_i, _, consts_i = nnx.split(module, nnx.Param, ...)
+        graphdef_i, _, stats_i, consts_i = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
         if graphdef_i not in layer_graphdefs:
             layer_graphdefs.append(graphdef_i)
             layer_consts.append((i, consts_i))
+            layer_carried.append(frozenset(_dict_paths(nnx.to_pure_dict(stats_i))))
         kind = layer_graphdefs.index(graphdef_i)
         _check_same_constants(layers, layer_consts[kind], (i, consts_i))
         layer_kinds.append(kind)
@@ -1008,15 +1098,27 @@ def from_nnx(
         with _Constants(shell := shell_module(shared), "the embedding"):
             return embed(shell, batch)
 
-    def kind_layer(layer_graphdef, consts):
+    def kind_layer(layer_graphdef, consts, carried):
         def layer_fn(layer_params, x, batch):
-            module = _in_mode(nnx.merge(layer_graphdef, layer_params, consts))
-            with _Constants(module, "a layer"):
-                return call_layer(module, x, batch) if call_layer is not None else module(x)
+            if not carried:
+                module = _in_mode(nnx.merge(layer_graphdef, layer_params, consts))
+                with _Constants(module, "a layer"):
+                    return call_layer(module, x, batch) if call_layer is not None else module(x)
+            # BatchNorm's statistics: read as the step found them, written by the forward and handed
+            # to the step through carry_state (its gradient channel; see StagedModel.carried).
+            trained, old = _partition(layer_params, carried)
+            module = _in_mode(nnx.merge(layer_graphdef, trained, old, consts))
+            with _Constants(module, "a layer", carried=True):
+                y = call_layer(module, x, batch) if call_layer is not None else module(x)
+            written = _partition(nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)), carried)[1]
+            return carry_state(y, old, written)
 
         return layer_fn
 
-    kind_fns = tuple(kind_layer(g, c) for g, (_, c) in zip(layer_graphdefs, layer_consts))
+    kind_fns = tuple(
+        kind_layer(g, c, k) for g, (_, c), k in zip(layer_graphdefs, layer_consts, layer_carried, strict=True)
+    )
+    carried = frozenset().union(*layer_carried)
 
     def head_fn(shared, x, batch):
         with _Constants(shell := shell_module(shared), "the head"):
@@ -1026,10 +1128,10 @@ def from_nnx(
 
         def init(seed: int):
             with nnx.use_eager_sharding(False):
-                return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(seed)), nnx.Param))
+                return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(seed)), trained_or_carried))
 
     else:
-        current = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        current = nnx.to_pure_dict(nnx.state(model, trained_or_carried))
 
         def init(seed: int):
             return current
@@ -1094,6 +1196,7 @@ def from_nnx(
         batch_spec=batch_spec,
         layer_kinds=tuple(layer_kinds) if len(kind_fns) > 1 else None,
         kind_layers=kind_fns if len(kind_fns) > 1 else None,
+        carried=carried,
     )
     if factory is not None:  # the abstract module built above is what init(0) would give: keep its shapes
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(params))

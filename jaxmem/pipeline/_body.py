@@ -720,10 +720,18 @@ class _Run:
         if body.forward:
             return loss_sum / weight
         scale = body.tokens_global / weight  # exactly 1 without a loss mask
-        finish = functools.partial(_finish, scale=scale, sum_then_slice=body.pipeline.sum_then_slice)
+        finish = functools.partial(_finish, scale=scale, sum_then_slice=pipeline.sum_then_slice)
+        # Carried state (BatchNorm's statistics, models.carry_state): the sum of what every
+        # microbatch of every replica wrote, made their mean.
+        model = pipeline.model
+        carried = 1.0 / (pipeline.replicas * pipeline.schedule.num_microbatches)
         grads = tuple(
             jax.tree.unflatten(
-                jax.tree.structure(t), [finish(g[None], p, whole=keep) for g, p in zip(jax.tree.leaves(t), places)]
+                jax.tree.structure(t),
+                [
+                    finish(g[None], p, whole=keep, scale=carried if model.is_carried(at) else scale)
+                    for (at, g), p in zip(jax.tree_util.tree_leaves_with_path(t), places)
+                ],
             )
             for t, places, keep in zip(grads, body.stage_places, kept_gathered)
         )

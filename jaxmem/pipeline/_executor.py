@@ -300,6 +300,14 @@ class Pipeline:
                     else "choose a policy that keeps them on the device"
                 )
             )
+        if self.model.carried and self.context > 1:
+            written = ", ".join(sorted(".".join(map(str, p)) for p in self.model.carried)[:4])
+            raise JaxmemError(
+                f"model {self.model.name} carries state its layers write ({written}: "
+                "BatchNorm's statistics), computed over the tokens a device holds: with a context axis each "
+                "device holds part of every sequence, so they would be statistics of the part. Train it without "
+                "a context axis (context=1), or normalize without batch statistics (nnx.LayerNorm, nnx.RMSNorm)"
+            )
         self._master_cut = master_cut
         self.split_backward = bool(split_backward)
         self.hand_recomputed = bool(hand_recomputed)
@@ -533,6 +541,17 @@ class Pipeline:
             tuple(self.layer_counts),
             self.pipe if self.vocab is not None else 0,
             self.model.layer_families,
+        )
+
+    def carried_leaves(self) -> PipelineParams:
+        """Per leaf of the parameters, whether it is carried state (BatchNorm's statistics,
+        :attr:`~jaxmem.models.StagedModel.carried`): at such a leaf :meth:`value_and_grad`'s gradient is
+        the state the step wrote, which the trainer puts in place of the old one."""
+        abstract = self.abstract_params()
+        return PipelineParams(
+            stages=jax.tree_util.tree_map_with_path(lambda at, _: self.model.is_carried(at), abstract.stages),
+            shared=jax.tree.map(lambda _: False, abstract.shared),
+            vocab=jax.tree.map(lambda _: False, abstract.vocab),
         )
 
     def from_model_params(self, params) -> PipelineParams:
@@ -771,7 +790,9 @@ class Pipeline:
 
     def value_and_grad(self, params: PipelineParams, batch: dict, rng=None):
         """Loss and gradients of the mean loss over the batch's counted tokens, jitted (one compile
-        per batch structure); ``rng`` as in :meth:`grad_fn`."""
+        per batch structure); ``rng`` as in :meth:`grad_fn`. At a leaf of carried state
+        (:meth:`carried_leaves`: BatchNorm's statistics) the "gradient" is the state the step wrote,
+        the mean over microbatches and replicas of what each forward wrote."""
         key = _key(_spec_of(batch))
         _check_tokens(self.model, batch)
         if key not in self._jitted:

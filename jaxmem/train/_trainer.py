@@ -310,20 +310,28 @@ class Trainer:
         offloaded = tuple(w or s for w, s in zip(pipeline.weights_on_host, pipeline.optimizer_state_on_host))
         roles = streamed_groups(pipeline.placement, offloaded) if self.streams_update and any(offloaded) else None
         inner, clip = _elementwise(self.config.optimizer), self.config.optimizer.grad_clip
+        carried = pipeline.carried_leaves() if pipeline.model.carried else None
 
         def step(params, opt_state, batch):
             batch = dict(batch)
             rng = batch.pop("rng", None)
             loss, grads = grad_fn(pipeline.compute_params(params), batch, rng)
+            written = None
+            if carried is not None:  # state the layers wrote (BatchNorm's statistics): not trained
+                written = grads
+                grads = jax.tree.map(lambda g, c: jnp.zeros_like(g) if c else g, grads, carried)
             grad_norm = optax.tree.norm(grads)
             if roles is not None:  # offloaded stages updated layer by layer, their state streamed
                 params, opt_state = streamed_update(inner, grads, opt_state, params, roles, clip=clip)
-                return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
-            # Offloaded weights / optimizer state come to the device for the update and go back to
-            # host through the output shardings.
-            params, opt_state = to_device(params), to_device(opt_state)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": grad_norm}
+            else:
+                # Offloaded weights / optimizer state come to the device for the update and go back to
+                # host through the output shardings.
+                params, opt_state = to_device(params), to_device(opt_state)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+            if written is not None:  # the carried state: what this step wrote, in place of the old
+                params = jax.tree.map(lambda p, w, c: w.astype(p.dtype) if c else p, params, written, carried)
+            return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
         out_shardings = (pipeline.master_shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
         return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
