@@ -1,6 +1,7 @@
 """Test harness: 8 virtual CPU devices (set before JAX is imported), XLA:CPU's faster-compiling
-backend level and fusion code generator, no persistent compilation cache, hypothesis profiles, and
-the cores to itself for a test's timed section (``cores.alone()``)."""
+backend level and fusion code generator, no persistent compilation cache (jaxmem's cache of compiled
+figures one per run), hypothesis profiles, and the cores to itself for a test's timed section
+(``cores.alone()``)."""
 
 import atexit
 import fcntl
@@ -38,6 +39,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # program twice, the second a cache hit, aborted in 8 of 24 runs; 126 verify() runs without the
 # cache, none. The suite took the same time with it (12:57) as without (12:55).
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+# jaxmem's own cache of compiled working-set figures (jaxmem.memory._figures): one per run of the
+# suite, shared by its workers and the processes its tests start -- never a user's ~/.cache or
+# JAXMEM_CACHE_DIR, so every run compiles what it checks at least once.
+if "JAXMEM_TEST_FIGURES" not in os.environ:
+    import shutil
+
+    os.environ["JAXMEM_TEST_FIGURES"] = tempfile.mkdtemp(prefix="jaxmem-figures-")
+    atexit.register(shutil.rmtree, os.environ["JAXMEM_TEST_FIGURES"], True)
+os.environ["JAXMEM_CACHE_DIR"] = os.environ["JAXMEM_TEST_FIGURES"]
 
 # The suite runs in two xdist workers (pyproject.toml). Every test holds a lock shared; a test that
 # times programs against each other holds it exclusively for its timed section only (``cores.alone()``),

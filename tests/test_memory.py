@@ -2,6 +2,7 @@
 (memory_analysis), for the GPT and the Llama."""
 
 import json
+import os
 import random
 
 import pytest
@@ -234,3 +235,47 @@ def test_memory_cli_for_a_traced_model_without_compiling(capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["model"] == "llama-1b" and report["meta"]["facts"] == "traced"
     assert report["ranks"][0]["predicted_device_bytes"] > 2**30
+
+
+def test_compiled_working_sets_are_kept_on_disk_under_the_program_and_its_compiler(tmp_path, monkeypatch):
+    """A working-set figure is read back instead of compiled again -- for the same program, options,
+    target and compiler only; a file that cannot be read is compiled again; JAXMEM_CACHE_DIR=off keeps
+    nothing. A second ledger of a model built again compiles nothing and gives the same figures."""
+    import jax
+    import jax.numpy as jnp
+    from families import family
+
+    import jaxmem.memory._facts as facts_module
+    from jaxmem.memory._figures import cached_figure
+
+    monkeypatch.setenv("JAXMEM_CACHE_DIR", str(tmp_path))
+    x = jnp.ones((8, 8))
+    lowered, other = (jax.jit(lambda a, f=f: f(a) @ a.T).lower(x) for f in (jnp.sin, jnp.cos))
+
+    def never():
+        raise AssertionError("compiled again")
+
+    assert cached_figure(lowered, None, "cpu:a:1", lambda: 123.0) == 123.0
+    assert cached_figure(lowered, None, "cpu:a:1", never) == 123.0
+    assert cached_figure(lowered, {"xla_backend_optimization_level": 0}, "cpu:a:1", lambda: 7.0) == 7.0
+    assert cached_figure(lowered, None, "target=tpu-v5e:2x2", lambda: 8.0) == 8.0
+    assert cached_figure(other, None, "cpu:a:1", lambda: 9.0) == 9.0
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+    assert cached_figure(lowered, None, "cpu:a:1", lambda: 10.0) == 10.0  # other compiler flags
+    for entry in (tmp_path / "working-sets").iterdir():
+        entry.write_text("{")  # cut short
+    assert cached_figure(lowered, None, "cpu:a:1", lambda: 11.0) == 11.0
+    assert cached_figure(lowered, None, "cpu:a:1", never) == 11.0
+    monkeypatch.setenv("JAXMEM_CACHE_DIR", "off")
+    assert cached_figure(lowered, None, "cpu:a:1", lambda: 12.0) == 12.0
+
+    monkeypatch.setenv("JAXMEM_CACHE_DIR", str(tmp_path / "ledger"))
+    compiles = []
+    real = facts_module._temporaries
+    monkeypatch.setattr(facts_module, "_temporaries", lambda *a: compiles.append(1) or real(*a))
+    first, second = (predict(family("mqa"), generate("1f1b", 2, 4), "selective", batch=8, seq=32) for _ in range(2))
+    assert len(compiles) > 0 and len(os.listdir(tmp_path / "ledger" / "working-sets")) == len(compiles)
+    assert first.max_device_bytes == second.max_device_bytes
+    n = len(compiles)
+    predict(family("mqa"), generate("1f1b", 2, 4), "selective", batch=8, seq=32)
+    assert len(compiles) == n  # a model built again: every working set read back

@@ -40,6 +40,7 @@ import weakref
 import numpy as np
 
 from jaxmem._util import compiled_temp_bytes, tree_bytes
+from jaxmem.memory._figures import cached_figure
 
 __all__ = [
     "WORKSET_MICROBATCH",
@@ -289,6 +290,16 @@ class ModelFacts:
         if self.target is None:
             return jax.local_devices()
         return self.target.devices(count)
+
+    def _compiled_for(self, devices: int = 1) -> str:
+        """What a working set is compiled for, as the figure cache keys it (:mod:`._figures`): the
+        target, or the platform and kind of the devices at hand."""
+        import jax
+
+        if self.target is not None:
+            return f"target={self.target}"
+        device = jax.local_devices()[0]
+        return f"{device.platform}:{device.device_kind}:{min(devices, jax.local_device_count())}"
 
     def nbytes(self, shape, dtype) -> int:
         """Bytes of one array as the target lays it out: a TPU pads the two minor dimensions to its
@@ -950,7 +961,10 @@ class ModelFacts:
                 else:
                     lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
             options = _working_options(self.platform)
-            temps = [_temporaries(part, options) for part in lowered]
+            where = self._compiled_for(tensor)
+            temps = [
+                cached_figure(part, options, where, functools.partial(_temporaries, part, options)) for part in lowered
+            ]
             cache[key] = max(temps) / mb
         return cache[key]
 
