@@ -28,6 +28,8 @@ import time
 import types
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Timed as a first run: no compiled figures read back from an earlier one (jaxmem.memory._figures).
+os.environ.setdefault("JAXMEM_CACHE_DIR", "off")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -38,6 +38,8 @@ from jaxmem._util import with_host_devices  # noqa: E402  (imports no JAX)
 # 8 virtual devices, as the CLI asks for them: on fewer cores, each runs its kernels on one thread.
 os.environ.setdefault("XLA_FLAGS", with_host_devices("", 8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # its 8 virtual devices; no accelerator plugin tried
+# Timed as a first run: no compiled figures read back from an earlier one (jaxmem.memory._figures).
+os.environ.setdefault("JAXMEM_CACHE_DIR", "off")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -28,6 +28,8 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # its 8 virtual devices; no accelerator plugin tried
+# Timed as a first run: no compiled figures read back from an earlier one (jaxmem.memory._figures).
+os.environ.setdefault("JAXMEM_CACHE_DIR", "off")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
