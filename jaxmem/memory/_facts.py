@@ -291,15 +291,13 @@ class ModelFacts:
             return jax.local_devices()
         return self.target.devices(count)
 
-    def _compiled_for(self, devices: int = 1) -> str:
+    def _compiled_for(self) -> str:
         """What a working set is compiled for, as the figure cache keys it (:mod:`._figures`): the
-        target, or the platform and kind of the devices at hand."""
-        import jax
-
+        target, or the platform and kind of the devices at hand (how many the program's text says)."""
         if self.target is not None:
             return f"target={self.target}"
-        device = jax.local_devices()[0]
-        return f"{device.platform}:{device.device_kind}:{min(devices, jax.local_device_count())}"
+        device = self._devices()[0]
+        return f"{device.platform}:{device.device_kind}"
 
     def nbytes(self, shape, dtype) -> int:
         """Bytes of one array as the target lays it out: a TPU pads the two minor dimensions to its
@@ -961,7 +959,7 @@ class ModelFacts:
                 else:
                     lowered = [_lower_pullback(plan, stage, shared, x, batch, mesh=mesh)]
             options = _working_options(self.platform)
-            where = self._compiled_for(tensor)
+            where = self._compiled_for()
             temps = [
                 cached_figure(part, options, where, functools.partial(_temporaries, part, options)) for part in lowered
             ]

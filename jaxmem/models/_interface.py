@@ -1110,8 +1110,7 @@ def from_nnx(
             module = _in_mode(nnx.merge(layer_graphdef, trained, old, consts))
             with _Constants(module, "a layer", carried=True):
                 y = call_layer(module, x, batch) if call_layer is not None else module(x)
-            written = _partition(nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)), carried)[1]
-            return carry_state(y, old, written)
+            return carry_state(y, old, nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)))
 
         return layer_fn
 
