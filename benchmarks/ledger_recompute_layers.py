@@ -2,11 +2,12 @@
 (``recompute_layers``: what Chronos-Recomp picks are made of), on models written as users write them.
 
     python benchmarks/ledger_recompute_layers.py [--json] [--out benchmarks/results/ledger_recompute_layers.json]
-        [--families dropout-gpt,mingru,encoder,mqa,dense-moe,tiny] [--cases 1f1b:1,1f1b:2,...]
+        [--families dropout-gpt,mingru,encoder,widening,mqa,dense-moe,tiny] [--cases 1f1b:1,1f1b:2,...]
 
-Families: three of ``tests/round2_models.py`` (a GPT with dropout on the embedding, the attention
+Families: four of ``tests/round2_models.py`` (a GPT with dropout on the embedding, the attention
 probabilities, the attention output and the MLP; a minGRU that scans each sequence from a constant
-carry; a bidirectional encoder that classifies, with a batch of its own) and two of
+carry; a bidirectional encoder that classifies, with a batch of its own; a decoder whose SwiGLU
+MLP doubles in width every two layers, so its stages are of four parameter structures) and two of
 ``tests/families.py`` (multi-query attention with GeGLU; dense and mixture-of-experts layers of two
 parameter structures), and the built-in tiny GPT. Each at 8 layers, batch 32 x 64, M=8, under
 ``{base = save-all, recompute_layers = k}``: k = 1 and 2 on 1F1B at P=4 (2 layers a stage: k = 2
@@ -30,7 +31,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-FAMILIES = ("dropout-gpt", "mingru", "encoder", "mqa", "dense-moe", "tiny")
+FAMILIES = ("dropout-gpt", "mingru", "encoder", "widening", "mqa", "dense-moe", "tiny")
 # "schedule:k" -> (schedule, k, pipe)
 CASES = {"1f1b:0": ("1f1b", 0, 4), "1f1b:1": ("1f1b", 1, 4), "1f1b:2": ("1f1b", 2, 4)}
 CASES.update({"interleaved-1f1b:1": ("interleaved-1f1b", 1, 2), "chronos:0": ("chronos", 0, 2)})
@@ -93,6 +94,10 @@ def main(argv=None) -> int:
         "worst_over": max(r["error"] for r in rows),
         "worst_under": min(r["error"] for r in rows),
         "users_all_within_band": all(r["ok"] for r in users),
+        # user-written families every one of whose cases (k >= 1) is within the band
+        "families_within_band": [
+            f for f in dict.fromkeys(r["family"] for r in users) if all(r["ok"] for r in users if r["family"] == f)
+        ],
         # k >= 1 against the same family and schedule without recomputed layers (where both ran)
         "worst_shift_from_k0": max(
             (abs(r["error"] - base[r["family"], r["schedule"]]) for r in users if (r["family"], r["schedule"]) in base),

@@ -190,7 +190,55 @@ def encoder_of(layers: int = 4):
 encoder = encoder_of(4)
 
 
-USER_FAMILIES = {"dropout-gpt": dropout_gpt_of, "mingru": mingru_of, "encoder": encoder_of}
+# ---------------------------------------------------------------- a decoder whose MLP widens with depth
+class WideningBlock(nnx.Module):
+    """Causal attention and an MLP ``width`` wide (a SwiGLU): each pair of layers twice the last's."""
+
+    def __init__(self, rngs, width: int):
+        self.ln1 = nnx.RMSNorm(D, rngs=rngs)
+        self.qkv = nnx.Linear(D, 3 * D, use_bias=False, rngs=rngs)
+        self.proj = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+        self.ln2 = nnx.RMSNorm(D, rngs=rngs)
+        self.gate = nnx.Linear(D, width, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(D, width, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(width, D, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        b, s, _ = x.shape
+        q, k, v = jnp.split(self.qkv(self.ln1(x)).reshape(b, s, 3 * HEADS, D // HEADS), 3, axis=2)
+        scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / jnp.sqrt(D // HEADS)
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+        probs = checkpoint_name(jax.nn.softmax(scores, -1), "probs")
+        x = x + self.proj(jnp.einsum("bhqk,bkhe->bqhe", probs, v).reshape(b, s, D))
+        u = self.ln2(x)
+        h = checkpoint_name(jax.nn.silu(self.gate(u)) * self.up(u), "hidden")
+        return x + self.down(h)
+
+
+class WideningLM(nnx.Module):
+    def __init__(self, rngs, layers=4):
+        self.tok = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([WideningBlock(rngs, 2 * D * 2 ** (i // 2)) for i in range(layers)])
+        self.ln = nnx.RMSNorm(D, rngs=rngs)
+        self.head = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
+
+
+def widening_of(layers: int = 4):
+    return from_nnx(
+        lambda rngs: WideningLM(rngs, layers),
+        layers="blocks",
+        embed=lambda m, batch: m.tok(batch["tokens"]),
+        head_loss=lambda m, x, batch: token_loss(m.head(m.ln(x)), batch),
+        tags=("probs", "hidden"),
+        name="user-widening",
+        vocab_size=VOCAB,
+        max_seq_len=64,
+    )
+
+
+widening = widening_of(4)
+
+USER_FAMILIES = {"dropout-gpt": dropout_gpt_of, "mingru": mingru_of, "encoder": encoder_of, "widening": widening_of}
 
 
 # ---------------------------------------------------------------- state that is not a parameter

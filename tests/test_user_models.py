@@ -107,7 +107,9 @@ def test_state_other_than_parameters_is_held_as_constants_and_a_write_is_refused
     """Before: a constant nnx.Variable buffer was refused with no way out and a plain array attribute
     gave UnexpectedTracerError. Both are now constants of the model's code (as is a BatchNorm whose
     statistics are fixed). State a layer writes that no step can carry (a plain nnx.Variable), and
-    BatchNorm outside the repeated layers, are refused with the way out."""
+    BatchNorm outside the repeated layers, are refused with the way out. The same model is built
+    twice in one process (the plain array's abstract build once failed the second time)."""
+    assert buffers(running=True).n_layers == 4
     result = verify(generate("1f1b", 2, 4), model=buffers(running=True), policy="recompute-all")
     assert result["ok"] and result["max_rel_diff"] < 1e-5, result
     with pytest.raises(JaxmemError, match=r"\['calls'\].*written by a layer.*declare it nnx.BatchStat"):
@@ -176,10 +178,11 @@ def test_the_ledger_holds_when_stages_recompute_their_first_layers():
     """Before: with recompute_layers = 1 the ledger was under the compiled step on every user model
     (-6.8% .. -24%: the working set taken as the larger part's). Now the composed stage's own is
     compiled; benchmarks/ledger_recompute_layers.py runs the full matrix (k = 1, 2; 1F1B, interleaved,
-    Chronos; five user-written families)."""
+    Chronos; six user-written families, four within the band in every case), and
+    benchmarks/plan_fits_user_models.py compiles the default-profile planner's picks for them."""
     from families import ledger_against_compiled
-    from round2_models import dropout_gpt_of, encoder_of
+    from round2_models import dropout_gpt_of, widening_of
 
-    for model in (dropout_gpt_of(8), encoder_of(8)):
+    for model in (dropout_gpt_of(8), widening_of(8)):
         _, _, error = ledger_against_compiled(model, "1f1b", {"base": "save-all", "recompute_layers": 1}, pipe=4)
-        assert -0.07 <= error <= 0.10, (model.name, error)
+        assert -0.05 <= error <= 0.10, (model.name, error)

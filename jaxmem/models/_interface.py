@@ -1010,10 +1010,19 @@ def from_nnx(
     if factory is not None and not callable(factory):
         raise JaxmemError(f"from_nnx takes an nnx.Module or a factory rngs -> module, got {type(model).__name__}")
     if factory is not None:
-        with _cheap_tracer_attribute_errors(), nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
-        if isinstance(abstract, nnx.Module) and (
-            _held_arrays(abstract) or _state_paths(nnx.state(abstract, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
+        try:
+            with _cheap_tracer_attribute_errors(), nnx.use_eager_sharding(False):
+                abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+        except (ValueError, jax.errors.UnexpectedTracerError):
+            # A plain array attribute (``self.scale = jnp.full(...)``) is the module's static metadata:
+            # traced, it leaks, and the next abstract build of the same class fails comparing it with
+            # the last. Such a module is built for real below anyway; one that fails for another
+            # reason fails there again, with its own error.
+            abstract = None
+        if (
+            abstract is None
+            or isinstance(abstract, nnx.Module)
+            and (_held_arrays(abstract) or _state_paths(nnx.state(abstract, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))))
         ):
             # State other than parameters is held as constants, which need their values: the module
             # is built once for real (seed 0) -- only for a model that has such state.
