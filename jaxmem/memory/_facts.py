@@ -90,8 +90,11 @@ def _working_options(platform: str) -> dict | None:
     """Compiler options for the working-set compiles on ``platform``: on XLA:CPU, its backend
     optimisation level 0, which lays the temporaries out as the default level does (all 36 stage
     backwards of a Llama and of a GPT) and compiles them in a little over half the time
-    (``benchmarks/compile_flags.py``); nothing elsewhere (an accelerator's compile is its own)."""
-    return {"xla_backend_optimization_level": 0} if platform == "cpu" else None
+    (``benchmarks/compile_flags.py``); on a GPU the options the step itself is compiled with
+    (:func:`jaxmem._util.step_compiler_options`); nothing on a TPU."""
+    from jaxmem._util import step_compiler_options
+
+    return {"xla_backend_optimization_level": 0} if platform == "cpu" else step_compiler_options(platform)
 
 
 @dataclasses.dataclass(frozen=True)

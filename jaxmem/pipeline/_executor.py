@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError, setting
-from jaxmem._util import first_device, platform_of
+from jaxmem._util import first_device, platform_of, step_compiler_options
 from jaxmem.models import RNG_SPEC, StagedModel, context_calls, context_order, context_stand_in, get_model, traced_for
 from jaxmem.pipeline._body import StepBody, varying_axes
 from jaxmem.pipeline._compute_copy import compute_model_abstract, may_cut_master, narrow_vocab
@@ -796,7 +796,7 @@ class Pipeline:
         key = _key(_spec_of(batch))
         _check_tokens(self.model, batch)
         if key not in self._jitted:
-            self._jitted[key] = jax.jit(self.grad_fn(batch))
+            self._jitted[key] = jax.jit(self.grad_fn(batch), compiler_options=step_compiler_options(self.platform))
         return self._jitted[key](params, batch, rng)
 
     def _build_grad_fn(self, spec: dict, forward: bool = False):

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._errors import JaxmemError, StepTooLarge, out_of_memory_bytes, setting
+from jaxmem._util import step_compiler_options
 from jaxmem.config import GENERATED_POLICIES, OptimizerSpec, TrainConfig
 from jaxmem.data import (
     ORDER,
@@ -334,7 +335,8 @@ class Trainer:
             return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
         out_shardings = (pipeline.master_shardings(), self.opt_state_shardings(), NamedSharding(self.mesh, P()))
-        return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+        options = step_compiler_options(pipeline.platform)
+        return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings, compiler_options=options)
 
     @property
     def step_fn(self):
@@ -368,7 +370,11 @@ class Trainer:
                 with evaluating():
                     return loss_fn(pipeline.compute_params(params), batch, key)
 
-            self._eval_fn = jax.jit(eval_loss, out_shardings=NamedSharding(self.mesh, P()))
+            self._eval_fn = jax.jit(
+                eval_loss,
+                out_shardings=NamedSharding(self.mesh, P()),
+                compiler_options=step_compiler_options(pipeline.platform),
+            )
         params = to_device(state.params)
         losses = [
             float(
