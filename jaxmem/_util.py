@@ -340,7 +340,8 @@ def step_compiler_options(platform: str) -> dict | None:
     On a GPU, copy insertion's region analysis: without it XLA's GPU compiler copies a stash arena
     that a ``lax.cond`` inside the tick loop updates in place whenever the step runs a stage's loss
     inside its forward (no vocabulary split), holding the arena twice (an H100 step of an 8-layer
-    decoder family: 3.98 MB of temporaries with, 3.24 MB without; ``tests/test_targets.py``). The
+    decoder family: 3.98 MB of temporaries without the option, 3.24 MB with it;
+    ``tests/test_targets.py``). The
     working sets the ledger compiles for a GPU take the same options
     (:func:`jaxmem.memory._facts._working_options`). Nothing elsewhere."""
     return {"xla_gpu_copy_insertion_use_region_analysis": True} if platform == "gpu" else None
