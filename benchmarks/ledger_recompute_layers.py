@@ -105,13 +105,18 @@ def main(argv=None) -> int:
         ),
         "seconds": round(time.time() - start, 1),
     }
-    if args.out:
-        with open(args.out, "w") as f:
+    write_record(record, args.out, args.json)
+    return 0
+
+
+def write_record(record: dict, out: str | None, as_json: bool) -> None:
+    """Write ``record`` to ``out`` (if given), and print it as JSON when asked."""
+    if out:
+        with open(out, "w") as f:
             json.dump(record, f, indent=1)
             f.write("\n")
-    if args.json:
+    if as_json:
         print(json.dumps(record, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ planner says so, exit code 1). About 10 minutes on the 2-core machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from ledger_recompute_layers import build  # noqa: E402  (the same families, built the same way)
+from ledger_recompute_layers import build, write_record  # noqa: E402  (the same families, built the same way)
 
 FAMILIES = ("dropout-gpt", "mingru", "encoder", "widening", "mqa", "dense-moe")
 DEVICES, BATCH, SEQ = 4, 32, 64
@@ -118,12 +117,7 @@ def main(argv=None) -> int:
         "worst_error": min((r["error"] for r in compiled), default=None),
         "seconds": round(time.time() - start, 1),
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
-    if args.json:
-        print(json.dumps(record, indent=1))
+    write_record(record, args.out, args.json)
     return 0
 
 

@@ -19,6 +19,15 @@ D = 16
 HEADS = 2
 
 
+def _causal_probs(q, k):
+    """Causal attention probabilities ``[b, h, q, k]`` of ``[b, s, h, e]`` queries and keys, named
+    ``probs`` for the policies."""
+    s = q.shape[1]
+    scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    return checkpoint_name(jax.nn.softmax(scores, -1), "probs")
+
+
 # ---------------------------------------------------------------- a GPT with dropout everywhere
 class DropAttention(nnx.Module):
     def __init__(self, rngs):
@@ -30,10 +39,7 @@ class DropAttention(nnx.Module):
     def __call__(self, x, rngs):
         b, s, _ = x.shape
         q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * HEADS, D // HEADS), 3, axis=2)
-        scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / jnp.sqrt(D // HEADS)
-        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
-        probs = checkpoint_name(jax.nn.softmax(scores, -1), "probs")
-        probs = self.attn_drop(probs, rngs=rngs)
+        probs = self.attn_drop(_causal_probs(q, k), rngs=rngs)
         out = jnp.einsum("bhqk,bkhe->bqhe", probs, v).reshape(b, s, D)
         return self.out_drop(self.proj(out), rngs=rngs)
 
@@ -206,9 +212,7 @@ class WideningBlock(nnx.Module):
     def __call__(self, x):
         b, s, _ = x.shape
         q, k, v = jnp.split(self.qkv(self.ln1(x)).reshape(b, s, 3 * HEADS, D // HEADS), 3, axis=2)
-        scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / jnp.sqrt(D // HEADS)
-        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
-        probs = checkpoint_name(jax.nn.softmax(scores, -1), "probs")
+        probs = _causal_probs(q, k)
         x = x + self.proj(jnp.einsum("bhqk,bkhe->bqhe", probs, v).reshape(b, s, D))
         u = self.ln2(x)
         h = checkpoint_name(jax.nn.silu(self.gate(u)) * self.up(u), "hidden")

@@ -39,7 +39,7 @@ import weakref
 
 import numpy as np
 
-from jaxmem._util import compiled_temp_bytes, tree_bytes
+from jaxmem._util import compiled_temp_bytes, step_compiler_options, tree_bytes
 from jaxmem.memory._figures import cached_figure
 
 __all__ = [
@@ -92,8 +92,6 @@ def _working_options(platform: str) -> dict | None:
     backwards of a Llama and of a GPT) and compiles them in a little over half the time
     (``benchmarks/compile_flags.py``); on a GPU the options the step itself is compiled with
     (:func:`jaxmem._util.step_compiler_options`); nothing on a TPU."""
-    from jaxmem._util import step_compiler_options
-
     return {"xla_backend_optimization_level": 0} if platform == "cpu" else step_compiler_options(platform)
 
 
