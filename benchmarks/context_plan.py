@@ -120,13 +120,10 @@ def main() -> None:
         "devices": args.devices,
         "rows": rows,
     }
-    if args.update:
-        import json
+    from plan_ranking import record_to_update, write_record
 
-        if not args.out or not os.path.exists(args.out):
-            parser.error("--update needs --out naming an existing record")
-        with open(args.out) as f:
-            old = json.load(f)
+    if args.update:
+        old = record_to_update(parser, args.out)
         seqs = {r["seq_len"] for r in rows}
         record["rows"] = sorted(
             [r for r in old["rows"] if r["seq_len"] not in seqs] + rows,
@@ -141,8 +138,6 @@ def main() -> None:
         kept = [c for c in old.get("commands", [old["command"]]) if lengths(c) - seqs]
         record["commands"] = kept + [record["command"]]
         record["note"] = "recorded as several runs (the commands), each replacing its sequence lengths' rows"
-    from plan_ranking import write_record
-
     write_record(record, args.out, args.json)
 
 

@@ -204,6 +204,14 @@ def measure_rounds(rows: dict, rounds: int, groups, name_of, measure) -> None:
                 print(f"round {round_}: {name:40s} {seconds:.3f} s/step", file=sys.stderr, flush=True)
 
 
+def record_to_update(parser: argparse.ArgumentParser, out: str | None) -> dict:
+    """The record at ``out`` that ``--update`` replaces some rows of (the parser's error when none)."""
+    if not out or not os.path.exists(out):
+        parser.error("--update needs --out naming an existing record")
+    with open(out) as f:
+        return json.load(f)
+
+
 def write_record(record: dict, out: str | None, as_json: bool) -> bool:
     """Write ``record`` to ``out`` (if given) and print it as JSON when asked; True if printed."""
     if out:

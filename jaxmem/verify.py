@@ -14,6 +14,7 @@ Tolerances depend on the model's compute dtype (the dtype of what its stages pas
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -158,6 +159,44 @@ def plain_value_and_grad(model, params, batch, drop_layers=frozenset(), **kwargs
     return jax.jit(jax.value_and_grad(loss))(params, batch)
 
 
+# verify() is run for many schedules and policies of one model (a sweep, the test suite), and the plain
+# reference -- a trace and a compile of its own, about a fifth of a tiny model's verify -- is the same
+# for all of them: kept for jaxmem's own models, whose configuration and functions name all it computes.
+_REFERENCES: collections.OrderedDict = collections.OrderedDict()
+_REFERENCES_KEPT = 8
+
+
+def _reference_key(model: StagedModel, *inputs) -> tuple | None:
+    """What the plain reference of ``model`` on ``inputs`` depends on, hashable; None for a model
+    that is not one of jaxmem's (its configuration need not say all its functions compute)."""
+    from jaxmem.models import GPTConfig, LlamaConfig
+
+    if not isinstance(model.config, (GPTConfig, LlamaConfig)):
+        return None
+    functions = (model.init, model.embed, model.layer, model.head_loss, model.loss, *(model.kind_layers or ()))
+    # The same code with the same configuration computes the same: a function put in its place
+    # (dataclasses.replace(model, layer=...)) is other code, a partial never matches.
+    codes = tuple(getattr(f, "__code__", None) or id(f) for f in functions)
+    key = (model.name, model.config, model.n_layers, model.rng, codes, *inputs)
+    try:
+        hash(key)
+    except TypeError:  # a configuration holding a list
+        return None
+    return key
+
+
+def _plain_reference(model, params, batch, drop_layers, key, **shape):
+    """:func:`plain_value_and_grad`, read back when ``key`` (:func:`_reference_key`) was computed."""
+    if key is None:
+        return plain_value_and_grad(model, params, batch, drop_layers, **shape)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = plain_value_and_grad(model, params, batch, drop_layers, **shape)
+        while len(_REFERENCES) > _REFERENCES_KEPT:
+            _REFERENCES.popitem(last=False)
+    _REFERENCES.move_to_end(key)
+    return _REFERENCES[key]
+
+
 def verify(
     schedule: Schedule,
     *,
@@ -247,7 +286,17 @@ def verify(
         if rng is not None or model.carried
         else {}
     )
-    loss_plain, grads_plain = plain_value_and_grad(model, params, batch, drop_layers, **shape)
+    key = _reference_key(
+        model,
+        seed,
+        size,
+        seq_len,
+        loss_mask,
+        tuple(sorted(drop_layers)),
+        rng is not None,  # drawn from the seed, as the parameters and the batch are
+        tuple(sorted((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in shape.items() if k != "rng")),
+    )
+    loss_plain, grads_plain = _plain_reference(model, params, batch, drop_layers, key, **shape)
     grads_plain = carried_mean(model, grads_plain, replicas * schedule.num_microbatches)
     loss, grads = pipe.value_and_grad(pipe.place(pipe.from_model_params(params)), batch, rng)
     # On the host first: with the optimizer state offloaded the gradients come back in pinned host

@@ -369,7 +369,9 @@ def test_the_planners_train_command_makes_its_pick_and_memory_takes_it(capsys):
     from jaxmem.cli._train_args import parse_train_args
 
     assert main(["plan", "--model", "tiny", "--devices", "4", "--budget", "2.5MiB", "--pipe", "4", "--json"]) == 0
-    record = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    record = json.loads(out)  # the object alone on stdout; how far the search is, on stderr
+    assert "planning: 1/" in err
     best = record["best"]
     assert best["policy"].startswith("chronos-")
     words = shlex.split(record["train_command"])

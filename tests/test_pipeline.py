@@ -357,6 +357,27 @@ def test_unknown_model_preset():
         Trainer(TrainConfig(model="gpt5"))
 
 
+def test_verify_computes_a_models_plain_reference_once_and_never_for_another(monkeypatch):
+    """verify() keeps the plain reference of jaxmem's own models (a fifth of a tiny model's verify),
+    keyed on what it computes: the same model under another schedule and policy reads it back; the
+    same configuration with another layer function is another model."""
+    import dataclasses
+
+    import jaxmem.verify as verify_module
+
+    calls = []
+    real = verify_module.plain_value_and_grad
+    monkeypatch.setattr(verify_module, "plain_value_and_grad", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(verify_module, "_REFERENCES", type(verify_module._REFERENCES)())
+    model = verification_model(2)
+    assert verify(generate("1f1b", 2, 2), model=model)["ok"]
+    assert verify(generate("gpipe", 2, 2), model=model, policy="recompute-all")["ok"]
+    assert len(calls) == 1
+    halved = dataclasses.replace(model, layer=lambda p, x, b: model.layer(p, x, b) * 0.5, loss=None)
+    assert verify(generate("1f1b", 2, 2), model=halved)["ok"]  # against its own reference
+    assert len(calls) == 2
+
+
 def test_verification_model_splits_evenly():
     assert verification_model(8).n_layers == 8
     assert verification_model(3).n_layers == 6

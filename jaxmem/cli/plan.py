@@ -192,8 +192,7 @@ def make_plan(
 
         def compiled(c):
             if progress:
-                print(f"compiling the pick {c.schedule} P={c.pipe} M={c.microbatches} {c.policy_name} {where}...",
-                      file=sys.stderr)  # fmt: skip
+                print(f"compiling the pick {c.describe()} {where}...", file=sys.stderr, flush=True)
             return _compiled_bytes(model, c, batch, seq, devices, target)
 
         result = confirm(result, compiled, log=lambda m: print(m, file=sys.stderr))
@@ -233,7 +232,7 @@ def run(args) -> int:
         args.batch_size,
         args.seq_len,
         args.pipe,
-        progress=not args.json,
+        progress=True,  # on stderr: --json's object is stdout's alone
         mesh=mesh,
         margin=args.margin,
         target=args.target,

@@ -72,6 +72,23 @@ class Candidate:
     fits: bool = False
     note: str = ""
 
+    def mesh(self) -> str:
+        """Its layout as the planner prints it (``P=4 D=2 F=2 C=2 T=2``; F, C and T where above 1) and
+        how its backward is split."""
+        return (
+            f"P={self.pipe} D={self.data}"
+            + (f" F={self.fsdp}" if self.fsdp > 1 else "")
+            + (f" C={self.context}" if self.context > 1 else "")
+            + (f" T={self.tensor}" if self.tensor > 1 else "")
+            + (" split backward" if self.split_backward else "")
+            + (", recomputed handed to W" if self.hand_recomputed else "")
+        )
+
+    def describe(self) -> str:
+        """Schedule, layout, microbatches and policy in one line: ``zb-h1 P=16 D=2 F=2 M=128 selective``."""
+        virtual = f" V={self.virtual}" if self.virtual else ""
+        return f"{self.schedule}{virtual} {self.mesh()} M={self.microbatches} {self.policy_name}"
+
     def to_json(self) -> dict:
         return {
             "schedule": self.schedule,
@@ -123,16 +140,6 @@ class SearchResult:
         return min(c.device_bytes for c in self.candidates)
 
     def explain(self, top: int = 5) -> list[str]:
-        def mesh(c):
-            return (
-                f"P={c.pipe} D={c.data}"
-                + (f" F={c.fsdp}" if c.fsdp > 1 else "")
-                + (f" C={c.context}" if c.context > 1 else "")
-                + (f" T={c.tensor}" if c.tensor > 1 else "")
-                + (" split backward" if c.split_backward else "")
-                + (", recomputed handed to W" if c.hand_recomputed else "")
-            )
-
         lines = []
         if self.best is None:
             lines.append(
@@ -143,7 +150,7 @@ class SearchResult:
             return lines
         b = self.best
         lines.append(
-            f"best: {b.schedule}{f' V={b.virtual}' if b.virtual else ''} {mesh(b)} M={b.microbatches} "
+            f"best: {b.schedule}{f' V={b.virtual}' if b.virtual else ''} {b.mesh()} M={b.microbatches} "
             f"policy {b.policy_name}: {human_bytes(b.device_bytes)}/device, {b.tokens_per_second:,.0f} tokens/s"
         )
         if self.confirmed is not None:
@@ -159,8 +166,7 @@ class SearchResult:
                 if c.fits
                 else f"needs {human_bytes(c.device_bytes)} > budget"
             )
-            virtual = f" V={c.virtual}" if c.virtual else ""
-            lines.append(f"  runner-up: {c.schedule}{virtual} {mesh(c)} M={c.microbatches} {c.policy_name}: {why}")
+            lines.append(f"  runner-up: {c.describe()}: {why}")
         flat = [c for c in self.ranked if c.pipe == 1 and c.fsdp > 1]
         if flat and b.pipe > 1:  # the layout without a pipeline (FSDP over every device), for comparison
             c = flat[0]
@@ -169,7 +175,9 @@ class SearchResult:
                 if c.fits
                 else f"needs {human_bytes(c.device_bytes)} > budget"
             )
-            lines.append(f"  no pipeline (FSDP only): {c.schedule} {mesh(c)} M={c.microbatches} {c.policy_name}: {why}")
+            lines.append(
+                f"  no pipeline (FSDP only): {c.schedule} {c.mesh()} M={c.microbatches} {c.policy_name}: {why}"
+            )
         return lines
 
     def legend(self, top: int = 5) -> list[str]:
@@ -797,11 +805,7 @@ def confirm(
                 if refused is None
                 else f"does not compile for {result.target}, beyond its chip's memory ({refused})"
             )
-        log(
-            f"plan: {c.schedule} P={c.pipe} D={c.data}{f' C={c.context}' if c.context > 1 else ''}"
-            f"{f' T={c.tensor}' if c.tensor > 1 else ''} M={c.microbatches} {c.policy_name} was predicted at "
-            f"{human_bytes(c.device_bytes)} but {outcome}; trying the next"
-        )
+        log(f"plan: {c.describe()} was predicted at {human_bytes(c.device_bytes)} but {outcome}; trying the next")
     sizes = [r["compiled_bytes"] for r in rejected if r["compiled_bytes"] is not None]
     smallest = f"smallest compiled: {human_bytes(min(sizes))}" if sizes else "none compiled"
     raise SearchError(
