@@ -173,7 +173,8 @@ def _reference_key(model: StagedModel, *inputs) -> tuple | None:
 
     if not isinstance(model.config, (GPTConfig, LlamaConfig)):
         return None
-    functions = (model.init, model.embed, model.layer, model.head_loss, model.loss, *(model.kind_layers or ()))
+    functions = (model.init, model.split, model.join, model.embed, model.layer, model.head_loss, model.loss)
+    functions += tuple(model.kind_layers or ())
     # The same code with the same configuration computes the same: a function put in its place
     # (dataclasses.replace(model, layer=...)) is other code, a partial never matches.
     codes = tuple(getattr(f, "__code__", None) or id(f) for f in functions)
