@@ -77,9 +77,11 @@ def plan(name: str, before: bool) -> dict:
     except SearchError as e:
         row["on_target"] = {"best": None, "error": str(e), "seconds": time.perf_counter() - start}
         batch, devices = None, len(target.devices())
+        _say("on the target's compiler", None, row["on_target"])
     else:
         devices = result.devices
         row["on_target"] = _row(result, model_name, seq, batch, time.perf_counter() - start)
+        _say("on the target's compiler", result.best, row["on_target"])
     row["batch"] = batch
     if before:
         start = time.perf_counter()
@@ -97,22 +99,23 @@ def plan(name: str, before: bool) -> dict:
                 out["compiled_on_target_bytes"] = None
                 out["compile_error"] = str(e).splitlines()[0][:300]
         row["xla_cpu_working_sets"] = out
+        _say("with XLA:CPU's working sets", result.best, out)
     return row
 
 
-def _line(label: str, r: dict) -> str:
-    b = r.get("best")
-    if not b:
-        return f"  {label}: nothing fits ({r.get('error') or r.get('smallest_bytes')})"
-    compiled = r.get("compiled_bytes") or r.get("compiled_on_target_bytes")
-    extra = f", compiled for the target {compiled / 2**30:.2f} GiB" if compiled else ""
-    virtual = f" V={b['virtual']}" if b.get("virtual") else ""
-    return (
-        f"  {label}: {b['schedule']}{virtual} P={b['pipe']} D={b['data']} F={b['fsdp']} "
-        f"T={b['tensor']} C={b['context']} M={b['microbatches']} {b['policy']}: "
-        f"{b['tokens_per_second']:,.0f} tok/s, MFU {r['mfu']:.1%}, "
-        f"predicted {b['device_bytes'] / 2**30:.2f} GiB{extra} ({r['seconds'] / 60:.1f} min)"
-    )
+def _say(label: str, best, r: dict) -> None:
+    """One line on stderr: the pick (``best``, a Candidate or None) and its figures (``r``, its row)."""
+    if best is None:
+        line = f"nothing fits ({r.get('error') or r.get('smallest_bytes')})"
+    else:
+        compiled = r.get("compiled_bytes") or r.get("compiled_on_target_bytes")
+        line = (
+            f"{best.describe()}: {best.tokens_per_second:,.0f} tok/s, MFU {r['mfu']:.1%}, predicted "
+            f"{best.device_bytes / 2**30:.2f} GiB"
+            + (f", compiled for the target {compiled / 2**30:.2f} GiB" if compiled else "")
+            + f" ({r['seconds'] / 60:.1f} min)"
+        )
+    print(f"  {label}: {line}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -132,11 +135,7 @@ def main() -> None:
     rows = []
     for name in names:
         print(f"planning {name} ...", file=sys.stderr, flush=True)
-        row = plan(name, args.before)
-        rows.append(row)
-        print(_line("on the target's compiler", row["on_target"]), file=sys.stderr, flush=True)
-        if "xla_cpu_working_sets" in row:
-            print(_line("with XLA:CPU's working sets", row["xla_cpu_working_sets"]), file=sys.stderr, flush=True)
+        rows.append(plan(name, args.before))
     record = {
         "benchmark": "target_plans",
         "jax": jax.__version__,
